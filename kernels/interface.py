@@ -1,0 +1,78 @@
+"""The paged-attention interface every backend implements (torch on CPU, Triton, flash-attn).
+
+A step's batch is packed varlen: the query tokens of all sequences are concatenated, prefill
+chunks and decodes alike, with no padding. Sequence i contributes q_len_i = cu_seqlens_q[i+1] -
+cu_seqlens_q[i] query tokens, which are the LAST q_len_i tokens of its context of seqlens_k[i]
+tokens. Query j of sequence i sits at position seqlens_k[i] - q_len_i + j and attends causally to
+context positions 0..that position. The model writes the step's new K/V into the cache through
+``slot_mapping`` *before* attention, so attention reads all keys, the new ones included, from the
+paged cache.
+
+Cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+Token t of a sequence lives in block block_tables[i, t // block_size], offset t % block_size;
+its slot is block * block_size + offset. A slot of -1 means "skip" (padding rows).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    cu_seqlens_q: torch.Tensor   # int32 [B+1], cumulative query lengths
+    seqlens_k: torch.Tensor      # int32 [B], context length of each sequence including this step
+    block_tables: torch.Tensor   # int32 [B, max_blocks], padded with -1
+    slot_mapping: torch.Tensor   # int64 [num_tokens], cache slot per new token, -1 to skip
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # Host-side copies, so a CPU backend can plan without device syncs.
+    seqlens_q_list: list[int] | None = None
+    seqlens_k_list: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seqlens_k.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key/value: [num_tokens, num_kv_heads, head_dim] -> cache slots; slot -1 skipped."""
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+        GQA: query head h reads kv head h // (num_heads // num_kv_heads)."""
+
+
+def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
+    """'auto' picks flash-attn, then Triton, on CUDA; torch on CPU."""
+    device = torch.device(device)
+    if name == "auto":
+        if device.type == "cuda":
+            try:
+                import flash_attn  # noqa: F401
+                name = "flash_attn"
+            except ImportError:
+                name = "triton"
+        else:
+            name = "torch"
+    if name == "torch":
+        from kernels.torch_attention import TorchAttention
+        return TorchAttention()
+    if name == "triton":
+        from kernels.triton_attention import TritonAttention
+        return TritonAttention()
+    if name == "flash_attn":
+        from kernels.flash_attention import FlashAttention
+        return FlashAttention()
+    raise ValueError(f"unknown attention backend {name!r} (torch, triton, flash_attn, auto)")

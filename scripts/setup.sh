@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Creates .venv in the repo root and installs Kaiten with the given extras.
+#   scripts/setup.sh            runtime only
+#   scripts/setup.sh test       runtime + test tools (+ redis-server, chromium via apt)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+
+need_apt=()
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+if [[ "$extras" == *test* ]]; then
+  [ -x /usr/bin/chromium ] || need_apt+=(chromium chromium-driver)
+fi
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null \
+      || echo "setup: could not install ${need_apt[*]} with apt; tests that need them will skip or fail" >&2
+  else
+    echo "setup: please install ${need_apt[*]} (apt-get install ${need_apt[*]})" >&2
+  fi
+fi
+
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=".venv/.kaiten-installed-${extras:-base}-$(sha1sum pyproject.toml | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first and pinned: the CPU wheel on disk. An unpinned torch would pull a CUDA build.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  spec="."; [ -n "$extras" ] && spec=".[$extras]"
+  .venv/bin/python -m pip install -q -e "$spec"
+  touch "$stamp"
+fi

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up .venv with the test extras (and redis-server, chromium) and runs the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+exec .venv/bin/python -m pytest "$@"

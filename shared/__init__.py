@@ -1,0 +1,1 @@
+"""Pieces every Kaiten process shares: wire protocol, Redis names, config."""

@@ -1,0 +1,29 @@
+"""The `kaiten` command. Each subcommand lives with the component it runs."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "up": ("shared.launcher", "Run redis (if needed), tokenizer, one engine worker and one gateway"),
+    "engine": ("engine_worker.worker", "Run one engine worker on a Redis stream"),
+    "gateway": ("gateway.app", "Run one OpenAI-compatible gateway"),
+    "tokenizer": ("tokenizer_service.service", "Run the tokenizer service"),
+    "generate": ("engine_worker.offline", "Generate offline, without Redis (the engine as a library)"),
+    "convert": ("shared.gguf_convert", "Convert the default SmolLM2 GGUF into a model directory"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        print("usage: kaiten {" + ",".join(SUBCOMMANDS) + "} [options]\n")
+        for name, (_, text) in SUBCOMMANDS.items():
+            print(f"  {name:<10} {text}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Configuration from environment variables; the CLI overrides any field.
+
+Each process has one dataclass. ``from_env()`` reads ``KAITEN_*`` variables (plus ``REDIS_URL``
+and ``TOKENIZER_URL``), and ``with_overrides(**kw)`` applies CLI flags that were given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def default_models_dir() -> Path:
+    return Path(os.environ.get("KAITEN_MODELS_DIR", Path(__file__).resolve().parent.parent / "models"))
+
+
+def parse_memory(value: str | int | float) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    s = value.strip().lower().replace(" ", "")
+    units = {"gib": 2**30, "gb": 10**9, "g": 2**30, "mib": 2**20, "mb": 10**6, "m": 2**20,
+             "kib": 2**10, "kb": 10**3, "k": 2**10, "b": 1}
+    for suffix, mult in units.items():
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * mult)
+    return int(float(s))
+
+
+def _from_env(cls, env_names: dict[str, str]):
+    values = {}
+    for f in dataclasses.fields(cls):
+        var = env_names.get(f.name, f"KAITEN_{f.name.upper()}")
+        raw = os.environ.get(var)
+        if raw is None or raw == "":
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, bool):
+            values[f.name] = raw.lower() in ("1", "true", "yes", "on")
+        elif isinstance(default, int):
+            values[f.name] = int(raw)
+        elif isinstance(default, float):
+            values[f.name] = float(raw)
+        elif isinstance(default, tuple):
+            values[f.name] = tuple(x for x in raw.split(",") if x)
+        else:
+            values[f.name] = raw
+    return cls(**values)
+
+
+class _EnvConfig:
+    ENV_NAMES: dict[str, str] = {}
+
+    @classmethod
+    def from_env(cls):
+        return _from_env(cls, cls.ENV_NAMES)
+
+    def with_overrides(self, **overrides):
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(slots=True)
+class EngineConfig(_EnvConfig):
+    model: str = ""                      # model directory; "" means the default SmolLM2
+    dtype: str = "bfloat16"              # bfloat16 | float32 | float16
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"        # KV pool budget: bytes or "2GiB"
+    max_num_batched_tokens: int = 2048   # per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 256              # running batch cap
+    max_model_len: int = 0               # 0: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"      # auto | torch | triton | flash_attn
+    ENV_NAMES = {"model": "KAITEN_MODEL"}
+
+
+@dataclass(slots=True)
+class WorkerConfig(_EnvConfig):
+    redis_url: str = DEFAULT_REDIS_URL
+    engine_id: str = ""                  # "" -> hostname-pid-random
+    heartbeat_interval: float = 1.0      # seconds between heartbeats
+    heartbeat_ttl: float = 5.0           # heartbeat key TTL; a worker silent this long is dead
+    claim_idle_ms: int = 10_000          # janitor claims entries idle this long (dead worker's)
+    max_deliveries: int = 3              # after this many deliveries an entry is dead-lettered
+    ENV_NAMES = {"redis_url": "REDIS_URL"}
+
+
+@dataclass(slots=True)
+class GatewayConfig(_EnvConfig):
+    redis_url: str = DEFAULT_REDIS_URL
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = ""                      # model directory (tokenizer, served model name)
+    served_model_name: str = ""          # "" -> directory name
+    tokenizer_url: str = ""              # "" -> tokenize in-process
+    api_keys: tuple[str, ...] = ()
+    max_queued_requests: int = 256       # admission control: waiting requests across engines
+    max_queued_tokens: int = 262_144     # admission control: waiting prompt tokens
+    max_body_bytes: int = 4 * 2**20
+    max_n: int = 16
+    request_timeout: float = 600.0       # server-side deadline per request (seconds)
+    engine_timeout: float = 10.0         # no heartbeat from any engine this long -> error
+    ENV_NAMES = {"redis_url": "REDIS_URL", "tokenizer_url": "TOKENIZER_URL", "api_keys": "KAITEN_API_KEYS"}
+
+
+@dataclass(slots=True)
+class TokenizerServiceConfig(_EnvConfig):
+    host: str = "127.0.0.1"
+    port: int = 8001
+    model: str = ""
+    ENV_NAMES = {"model": "KAITEN_MODEL"}

@@ -1,0 +1,27 @@
+"""Redis key, stream, group and channel names. One place, so every process agrees."""
+
+PREFIX = "kaiten"
+
+REQUEST_STREAM = f"{PREFIX}:requests"          # gateways XADD requests; engines XREADGROUP
+ENGINE_GROUP = "engines"                        # the consumer group all engine workers share
+DEAD_LETTER_STREAM = f"{PREFIX}:requests:dead"  # malformed or undeliverable entries
+ABORT_STREAM = f"{PREFIX}:aborts"               # every engine XREADs all aborts (no group)
+REQUEST_STREAM_MAXLEN = 100_000
+ABORT_STREAM_MAXLEN = 10_000
+DEAD_LETTER_MAXLEN = 10_000
+
+# Field name of the msgpack payload inside a stream entry.
+PAYLOAD_FIELD = b"m"
+
+
+def reply_channel(gateway_id: str) -> str:
+    """Pub/sub channel on which one gateway process receives the tokens of its requests."""
+    return f"{PREFIX}:replies:{gateway_id}"
+
+
+def heartbeat_key(engine_id: str) -> str:
+    """Key (with a TTL) holding one engine's msgpack heartbeat."""
+    return f"{PREFIX}:engine:{engine_id}"
+
+
+HEARTBEAT_PATTERN = f"{PREFIX}:engine:*"

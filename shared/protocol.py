@@ -1,0 +1,151 @@
+"""The wire protocol between gateways and engine workers: msgpack maps, never pickle.
+
+Every message is a map with ``v`` (protocol version) and ``t`` (type). Types:
+
+- ``request``  gateway -> engines (stream ``kaiten:requests``)
+- ``abort``    gateway -> engines (stream ``kaiten:aborts``)
+- ``tokens``   engine -> one gateway (pub/sub): every delta that gateway's requests got in one step.
+  A delta carries a per-request sequence number ``seq`` (0, 1, 2, ...). The last delta of a
+  request has ``finish_reason`` set; ``finish_reason == "error"`` comes with ``error`` text.
+  So "finish" and "error" are terminal deltas, numbered like any other, and a gap is visible.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded or does not match the protocol."""
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    reply_to: str                       # gateway id; replies go to names.reply_channel(reply_to)
+    prompt_token_ids: list[int]
+    params: dict[str, Any]              # SamplingParams fields (engine_worker.SamplingParams)
+    arrival_time: float = 0.0           # gateway clock, informational only
+    deadline: float | None = None       # gateway clock (unix seconds); engine may drop late work
+    T = "request"
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+    reply_to: str = ""
+    T = "abort"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)   # (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class Delta:
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    # Filled on the terminal delta: usage and the engine's own event times (engine clock).
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    metrics: dict[str, float] | None = None
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    engine_id: str
+    deltas: list[Delta]
+    T = "tokens"
+
+
+_TYPES: dict[str, type] = {c.T: c for c in (GenerateRequest, Abort, TokenBatch)}
+
+
+def _to_wire(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_wire(x) for x in obj]
+    return obj
+
+
+def encode(msg: GenerateRequest | Abort | TokenBatch) -> bytes:
+    body = _to_wire(msg)
+    body["v"] = PROTOCOL_VERSION
+    body["t"] = msg.T
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _build(cls: type, body: dict) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(body) - names
+    if unknown:
+        raise ProtocolError(f"{cls.T}: unknown fields {sorted(unknown)}")
+    try:
+        return cls(**body)
+    except TypeError as e:
+        raise ProtocolError(f"{cls.T}: {e}") from None
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ProtocolError(what)
+
+
+def _decode_request(body: dict) -> GenerateRequest:
+    req = _build(GenerateRequest, body)
+    _check(isinstance(req.request_id, str) and req.request_id != "", "request: request_id must be a non-empty string")
+    _check(isinstance(req.reply_to, str) and req.reply_to != "", "request: reply_to must be a non-empty string")
+    _check(isinstance(req.prompt_token_ids, list) and all(type(t) is int for t in req.prompt_token_ids),
+           "request: prompt_token_ids must be a list of ints")
+    _check(isinstance(req.params, dict), "request: params must be a map")
+    return req
+
+
+def _decode_tokens(body: dict) -> TokenBatch:
+    _check(isinstance(body.get("deltas"), list), "tokens: deltas must be a list")
+    deltas = []
+    for d in body["deltas"]:
+        _check(isinstance(d, dict), "tokens: a delta must be a map")
+        delta = _build(Delta, d)
+        if delta.logprobs is not None:
+            delta.logprobs = [_build(TokenLogprob, lp) for lp in delta.logprobs]
+            for lp in delta.logprobs:
+                lp.top = [tuple(x) for x in lp.top]
+        deltas.append(delta)
+    body["deltas"] = deltas
+    return _build(TokenBatch, body)
+
+
+def decode(data: bytes) -> GenerateRequest | Abort | TokenBatch:
+    """Decode and validate one message. Raises ProtocolError on anything malformed."""
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"not msgpack: {e}") from None
+    _check(isinstance(body, dict), "message must be a map")
+    version = body.pop("v", None)
+    _check(version == PROTOCOL_VERSION, f"unsupported protocol version {version!r}")
+    kind = body.pop("t", None)
+    _check(kind in _TYPES, f"unknown message type {kind!r}")
+    if kind == GenerateRequest.T:
+        return _decode_request(body)
+    if kind == TokenBatch.T:
+        return _decode_tokens(body)
+    abort = _build(Abort, body)
+    _check(isinstance(abort.request_id, str), "abort: request_id must be a string")
+    return abort

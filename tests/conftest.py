@@ -1,0 +1,25 @@
+import pytest
+
+from tests.redis_server import RedisServer
+from tests.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with a ChatML BPE tokenizer (fp32 weights)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real Redis for the session. Tests must use their own key prefixes or flush it."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    import redis
+    redis.Redis.from_url(redis_server.url).flushall()
+    return redis_server.url
