@@ -1,0 +1,95 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine_worker.llama import LlamaForCausalLM, ModelConfig
+from engine_worker.scheduler import ScheduledBatch
+from kernels.interface import AttentionMetadata, get_attention_backend
+from shared.config import EngineConfig, parse_memory
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+          "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str):
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.block_size = getattr(self.backend, "REQUIRED_BLOCK_SIZE", None) or config.block_size
+        if self.block_size != config.block_size:
+            log.warning("attention backend %s needs block_size %d (configured %d); using %d",
+                        self.backend.name, self.block_size, config.block_size, self.block_size)
+        self.model = LlamaForCausalLM(self.model_config).to(device=self.device, dtype=self.dtype)
+        self.model.load_weights(model_dir)
+        self.model.eval()
+        self.num_blocks = self._num_blocks(parse_memory(config.kv_cache_memory))
+        self.kv_caches = self._allocate_kv_cache()
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _num_blocks(self, budget_bytes: int) -> int:
+        num_blocks = budget_bytes // self._bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {budget_bytes} B holds no block of {self._bytes_per_block()} B")
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Pack the step's new tokens of every sequence, with positions, slots and block tables."""
+        bs = self.block_size
+        input_ids, positions, slots, cu_q, seqlens_q, seqlens_k = [], [], [], [0], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_q.append(cu_q[-1] + n)
+            seqlens_q.append(n)
+            seqlens_k.append(end)
+        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            seqlens_k=torch.tensor(seqlens_k, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+            seqlens_q_list=seqlens_q, seqlens_k_list=seqlens_k,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, meta
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+        """One forward pass; returns fp32 logits [len(sample_rows), vocab] for the sequences at
+        `sample_rows` (those whose whole context is computed after this step)."""
+        ids, pos, meta = self.prepare(batch)
+        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
+        last = meta.cu_seqlens_q[1:].long() - 1
+        rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
+        return self.model.compute_logits(hidden[rows])

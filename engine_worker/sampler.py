@@ -1,0 +1,92 @@
+"""Vectorised sampling over the batch: penalties, temperature, top-k, top-p, seeds, logprobs.
+
+A seeded request draws its noise from its own generator, one draw per sampled token, so its tokens
+are the same whatever batch it runs in. Sampling uses the exponential race: argmax(p / E) with
+E ~ Exp(1) draws from p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_worker.sequence import Sequence
+from shared.protocol import TokenLogprob
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: fp32 [B, V], one row per sequence in `seqs`."""
+        params = [s.params for s in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        logits = self._apply_penalties(logits, seqs)
+        greedy = torch.tensor([p.greedy for p in params])
+        if bool(greedy.all()):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, greedy)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, params))
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if not any(s.params.presence_penalty or s.params.frequency_penalty for s in seqs):
+            return logits
+        counts = torch.zeros_like(logits)
+        for row, seq in enumerate(seqs):
+            out = seq.output_token_ids
+            if out:
+                counts[row].index_add_(0, torch.tensor(out), torch.ones(len(out)))
+        freq = torch.tensor([s.params.frequency_penalty for s in seqs]).unsqueeze(1)
+        pres = torch.tensor([s.params.presence_penalty for s in seqs]).unsqueeze(1)
+        return logits - freq * counts - pres * (counts > 0).float()
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params]).unsqueeze(1)
+        scaled = logits / temps
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        if bool((top_k < logits.shape[1]).any() or (top_p < 1).any()):
+            scaled = _top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[row].exponential_(generator=seq.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, tokens: list[int], params) -> list[TokenLogprob | None]:
+        if raw is None:
+            return [None] * len(tokens)
+        k = max(p.logprobs or 0 for p in params)
+        top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)
+        chosen = raw.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+        out = []
+        for row, p in enumerate(params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            top = list(zip(top_ids[row, :p.logprobs].tolist(), top_vals[row, :p.logprobs].tolist())) if p.logprobs else []
+            out.append(TokenLogprob(tokens[row], chosen[row], top))
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf (one sort per batch)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    mask = ranks >= top_k.unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+    # Keep a token if the mass strictly before it is below top_p (the first token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    mask |= mass_before >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,57 @@
+"""A request as the engine sees it: its tokens, its place in the KV cache and its event times."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from engine_worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    token_ids: list[int]                 # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)    # append-only while the sequence lives
+    block_hashes: list[int] = field(default_factory=list)   # chained hashes of its full blocks
+    num_computed_tokens: int = 0         # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0           # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    # Engine-clock event times (time.time()); other processes' clocks are not comparable.
+    queued_time: float = field(default_factory=time.time)
+    scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def metrics(self) -> dict[str, float]:
+        return {"queued": self.queued_time, "scheduled": self.scheduled_time,
+                "first_token": self.first_token_time, "finished": self.finished_time}

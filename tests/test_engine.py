@@ -1,0 +1,214 @@
+"""The engine against Hugging Face transformers: greedy tokens must be equal, in fp32."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_worker import LLM, SamplingParams
+
+MAX_TOKENS = 24
+
+
+def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """20 prompts of mixed lengths (1..150), four of which share a 40-token prefix."""
+    rng = random.Random(seed)
+    tokens = lambda n: [rng.randrange(3, vocab) for _ in range(n)]   # noqa: E731 (skip special ids)
+    lengths = [1, 2, 5, 15, 16, 17, 31, 32, 33, 47, 64, 90, 120, 150, 7, 70]
+    prompts = [tokens(n) for n in lengths]
+    prefix = tokens(40)
+    prompts += [prefix + tokens(n) for n in (1, 9, 25, 60)]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_model):
+    return make_prompts(hf_model.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, prompts):
+    """HF greedy generate, one prompt at a time (no padding), stopping at eos like the engine."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    max_new_tokens=MAX_TOKENS, do_sample=False)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def make_llm(model_dir, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", 8 * 2**20)
+    return LLM(str(model_dir), dtype="float32", **kw)
+
+
+def assert_all_blocks_released(llm: LLM) -> None:
+    llm.engine.check_block_accounting()
+    bm = llm.engine.block_manager
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def run_staggered(llm: LLM, prompts, params) -> dict[str, list[int]]:
+    """Submit a few prompts per step while the batch runs; return tokens per request id."""
+    pending = list(enumerate(prompts))
+    ids, tokens, done = {}, {}, set()
+    while pending or len(done) < len(prompts):
+        for _ in range(3):
+            if pending:
+                i, p = pending.pop(0)
+                rid = llm.submit(p, params)
+                ids[i], tokens[rid] = rid, []
+        for out in llm.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason in ("stop", "length"), out.error
+                done.add(out.request_id)
+        llm.engine.check_block_accounting()
+    return [tokens[ids[i]] for i in range(len(prompts))]
+
+
+def test_greedy_matches_hf_all_at_once(tiny_model_dir, prompts, expected):
+    llm = make_llm(tiny_model_dir)
+    got = llm.generate(prompts, greedy())
+    assert [c.token_ids for c in got] == expected
+    assert_all_blocks_released(llm)
+
+
+def test_greedy_matches_hf_staggered_with_prefix_cache_hits(tiny_model_dir, prompts, expected):
+    llm = make_llm(tiny_model_dir)
+    assert run_staggered(llm, prompts, greedy()) == expected
+    assert llm.engine.block_manager.num_hit_tokens >= 2 * 16, "the shared 40-token prefix must hit the cache"
+    # The same prompts again: every full block is cached now, and outputs do not change.
+    again = llm.generate(prompts, greedy())
+    assert [c.token_ids for c in again] == expected
+    assert all(c.num_cached_tokens == (len(p) - 1) // 16 * 16 for c, p in zip(again, prompts))
+    assert_all_blocks_released(llm)
+
+
+def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dir, prompts, expected):
+    budget = 13     # well under most prompt lengths: prefills span several steps
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=budget)
+    assert run_staggered(llm, prompts, greedy()) == expected
+    assert llm.engine.step_count > max(len(p) for p in prompts) // budget
+    assert_all_blocks_released(llm)
+
+
+def test_greedy_matches_hf_under_preemption(tiny_model_dir, prompts, expected):
+    # Room for ~1.5 of the longest sequences: the batch must preempt and recompute.
+    cfg_bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4      # K+V * layers * block * kv_heads * head_dim * fp32
+    llm = make_llm(tiny_model_dir, kv_cache_memory=20 * cfg_bytes_per_block, max_num_batched_tokens=64)
+    assert run_staggered(llm, prompts, greedy()) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_released(llm)
+
+
+def test_seeded_sampling_is_batch_independent(tiny_model_dir, prompts):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16,
+                            presence_penalty=0.5, frequency_penalty=0.3)
+    alone = make_llm(tiny_model_dir).generate([prompts[5]], params)[0].token_ids
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=16) for i in range(6)]
+    batch = make_llm(tiny_model_dir).generate(prompts[:6], others[:5] + [params])
+    assert batch[5].token_ids == alone
+    assert len(set(tuple(c.token_ids) for c in batch)) > 1
+
+
+def test_sampling_controls(tiny_model_dir, prompts):
+    llm = make_llm(tiny_model_dir)
+    out = llm.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    assert len(out.logprobs) == 4 and len(out.logprobs[0].top) == 3
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0] and first.top[0][0] == first.token_id   # greedy = top-1
+    assert first.logprob == pytest.approx(first.top[0][1])
+    # top_k=1 is greedy whatever the temperature
+    topk1 = llm.generate([prompts[3]], SamplingParams(temperature=1.5, top_k=1, max_tokens=8))[0]
+    assert topk1.token_ids == llm.generate([prompts[3]], greedy(8))[0].token_ids
+    # stop_token_ids ends generation at that token, with reason "stop"
+    stop_at = out.token_ids[2]
+    stopped = llm.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]))[0]
+    assert stopped.token_ids[-1] == stop_at and stopped.finish_reason == "stop"
+    assert len(stopped.token_ids) <= 3
+    # ignore_eos with max_tokens gives exactly max_tokens tokens
+    long = llm.generate([prompts[0]], SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True))[0]
+    assert len(long.token_ids) == 40 and long.finish_reason == "length"
+    assert_all_blocks_released(llm)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "empty"),
+    ([5] * 600, SamplingParams(), "context"),
+    ([5] * 10, SamplingParams(max_tokens=0), "max_tokens"),
+    ([5] * 10, SamplingParams(temperature=-0.1), "temperature"),
+    ([5] * 10, SamplingParams(top_p=0.0), "top_p"),
+    ([5] * 10, SamplingParams(top_p=1.5), "top_p"),
+    ([5, 10**6], SamplingParams(), "vocabulary"),
+    ([5, -1], SamplingParams(), "vocabulary"),
+    ([5] * 10, SamplingParams(max_tokens=600), "exceeds"),
+])
+def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_model_dir, prompt, params, match):
+    llm = make_llm(tiny_model_dir)
+    with pytest.raises(ValueError, match=match):
+        llm.engine.add_request("bad", prompt, params)
+    # the same bad request through the request source comes back as an error output
+    from engine_worker import NewRequest
+    llm.source.put(NewRequest("bad2", prompt, params.to_dict()))
+    outs = llm.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("bad2", "error")]
+    assert match in outs[0].error
+    assert llm.generate([[5, 6, 7]], greedy(4))[0].finish_reason == "length"
+    assert_all_blocks_released(llm)
+
+
+def test_request_too_large_for_kv_pool_is_rejected(tiny_model_dir):
+    llm = make_llm(tiny_model_dir, kv_cache_memory=4 * 2 * 2 * 16 * 2 * 16 * 4)   # 4 blocks = 64 tokens
+    with pytest.raises(ValueError, match="never fit"):
+        llm.engine.add_request("big", [5] * 60, SamplingParams(max_tokens=10))
+
+
+def test_abort_frees_blocks_at_once(tiny_model_dir, prompts):
+    llm = make_llm(tiny_model_dir)
+    rid = llm.submit(prompts[12], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    assert llm.engine.block_manager.usage > 0
+    assert llm.engine.abort_request(rid)
+    llm.engine.check_block_accounting()
+    assert llm.engine.stats().num_running == 0
+    outs = llm.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]
+    assert_all_blocks_released(llm)
+
+
+def test_event_times_are_ordered(tiny_model_dir, prompts):
+    out = make_llm(tiny_model_dir).generate([prompts[4]], greedy(4))[0]
+    m = out.metrics
+    assert 0 < m["queued"] <= m["scheduled"] <= m["first_token"] <= m["finished"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_llama_family_configs_match_hf(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+    from tests.tiny_model import build_tiny_model
+    model_dir = build_tiny_model(tmp_path / arch, arch=arch, tie_word_embeddings=(arch == "qwen2"))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = make_prompts(hf.config.vocab_size)[:6]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=12, do_sample=False)
+            want.append(ids[0, len(p):].tolist())
+    got = make_llm(model_dir).generate(prompts, greedy(12))
+    assert [c.token_ids for c in got] == want
