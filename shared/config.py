@@ -85,6 +85,11 @@ class WorkerConfig(_EnvConfig):
     heartbeat_ttl: float = 5.0           # heartbeat key TTL; a worker silent this long is dead
     claim_idle_ms: int = 10_000          # janitor claims entries idle this long (dead worker's)
     max_deliveries: int = 3              # after this many deliveries an entry is dead-lettered
+    janitor_interval: float = 5.0        # seconds between janitor runs (claims, orphans)
+    idle_block_ms: int = 100             # XREADGROUP BLOCK while the engine is idle
+    abort_lookback: float = 300.0        # at start, replay aborts this many seconds old
+    redis_retry_max: float = 5.0         # cap of the reconnect backoff while Redis is down (s)
+    drain_timeout: float = 30.0          # on SIGTERM, finish in-flight requests this long (s)
     ENV_NAMES = {"redis_url": "REDIS_URL"}
 
 
