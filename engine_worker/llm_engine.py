@@ -128,7 +128,7 @@ class LLMEngine:
         return max(0, s.max_num_seqs - len(s.running) - len(s.waiting))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_outputs) or bool(self.source and len(self.source))
+        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -66,8 +66,9 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        ids = [self.submit(p, sp) for p, sp in zip(prompts, params_list)]
-        results = {rid: Completion(rid, self.encode(p)) for rid, p in zip(ids, prompts)}
+        encoded = [self.encode(p) for p in prompts]
+        ids = [self.submit(p, sp) for p, sp in zip(encoded, params_list)]
+        results = {rid: Completion(rid, p) for rid, p in zip(ids, encoded)}
         while any(results[r].finish_reason is None for r in ids):
             for out in self.step():
                 if out.request_id in results:
