@@ -90,6 +90,7 @@ class WorkerConfig(_EnvConfig):
     abort_lookback: float = 300.0        # at start, replay aborts this many seconds old
     redis_retry_max: float = 5.0         # cap of the reconnect backoff while Redis is down (s)
     drain_timeout: float = 30.0          # on SIGTERM, finish in-flight requests this long (s)
+    io_thread: bool = True               # run Redis round trips on a thread, overlapping the step
     ENV_NAMES = {"redis_url": "REDIS_URL"}
 
 
