@@ -44,7 +44,7 @@ class EngineWorker:
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, *, engine=None,
                  client=None):
-        from engine_worker.redis_source import RedisRequestSource
+        from engine_worker.redis_source import RedisRequestSource, SyncStats
         from shared.redis_conn import min_socket_timeout_for_block, redis_client
 
         self.engine_config = engine_config
@@ -63,6 +63,7 @@ class EngineWorker:
         else:
             engine.source = self.source
         self.engine = engine
+        self.step_stats = SyncStats()       # engine.step() wall time, for comparison
         self._stop = threading.Event()
         self._drain_deadline: float | None = None
         self.started = threading.Event()
@@ -136,7 +137,9 @@ class EngineWorker:
         try:
             while not self._stop.is_set():
                 if engine.has_unfinished() or src.has_buffered():
+                    t0 = time.perf_counter()
                     outputs = engine.step()          # the previous round trip runs meanwhile
+                    self.step_stats.add(time.perf_counter() - t0)
                     src.on_outputs(outputs)
                 src.finish_round()                   # normally done already: no wait
                 busy = engine.has_unfinished() or src.has_buffered()
@@ -155,8 +158,7 @@ class EngineWorker:
                         self._stop.wait(min(0.1, max(0.005, src.retry_delay())))
                 if time.monotonic() - last_log > LOG_INTERVAL:
                     last_log = time.monotonic()
-                    log.info("redis per step: stall %s; round trip %s; counters %s", _fmt(src.stats.summary()),
-                             _fmt(src.rtt_stats.summary()), src.counters)
+                    log.info("%s; counters %s", self.overhead_report(), src.counters)
         finally:
             self._shutdown()
         return 0
@@ -184,9 +186,14 @@ class EngineWorker:
         except Exception as e:
             log.warning("shutdown: could not reach Redis: %s", e)
         src.close()
-        log.info("engine %r stopped; redis per step: stall %s; round trip %s", self.engine_id,
-                 _fmt(src.stats.summary()), _fmt(src.rtt_stats.summary()))
+        log.info("engine %r stopped; %s", self.engine_id, self.overhead_report())
         self.exited.set()
+
+
+    def overhead_report(self) -> str:
+        """Per step: the engine loop's Redis stall, the round trip on the I/O thread, the step."""
+        return (f"redis stall per step {_fmt(self.source.stats.summary())}; redis round trip "
+                f"{_fmt(self.source.rtt_stats.summary())}; engine.step {_fmt(self.step_stats.summary())}")
 
 
 def _fmt(s: dict) -> str:

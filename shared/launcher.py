@@ -1,0 +1,301 @@
+"""`kaiten up`: the whole server on one machine.
+
+    kaiten up [--host H] [--port P] [--model DIR] [--redis-url URL]
+
+1. ensures the default model (once) unless ``--model`` is given;
+2. starts a local ``redis-server`` on a free port (no persistence) unless ``REDIS_URL``/``--redis-url``
+   is given;
+3. runs ``kaiten tokenizer``, one ``kaiten engine`` and one ``kaiten gateway`` as child processes
+   (the gateway gets ``TOKENIZER_URL`` pointing at the tokenizer service);
+4. waits until the gateway answers ``GET /ready``, prints the URL and a curl line to try;
+5. stops every child cleanly on Ctrl-C/SIGTERM (gateway first, Redis last); if any child dies,
+   stops the rest and exits non-zero.
+
+Children run in their own sessions, so a Ctrl-C reaches only the launcher, which then stops them
+in order; each child also gets SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG on Linux).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("kaiten.up")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = None
+    stop_signal: int = signal.SIGTERM
+
+    def start(self) -> "Child":
+        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent,
+                                     stdin=subprocess.DEVNULL)
+        log.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+@dataclass
+class Supervisor:
+    """Starts children in order, watches them, stops them in reverse order."""
+    children: list[Child] = field(default_factory=list)
+    stop_timeout: float = 15.0
+    stopping: threading.Event = field(default_factory=threading.Event)
+    failed: Child | None = None
+
+    def add(self, child: Child) -> Child:
+        self.children.append(child.start())
+        return child
+
+    def check(self) -> Child | None:
+        """The first child that has exited, if any."""
+        for c in self.children:
+            if c.poll() is not None:
+                return c
+        return None
+
+    def wait(self, poll_interval: float = 0.2) -> int:
+        """Block until asked to stop (0) or a child dies (1); then stop everything."""
+        while not self.stopping.is_set():
+            dead = self.check()
+            if dead is not None:
+                self.failed = dead
+                log.error("%s exited with code %s; stopping the rest", dead.name, dead.poll())
+                break
+            self.stopping.wait(poll_interval)
+        self.stop_all()
+        return 1 if self.failed is not None else 0
+
+    def stop_all(self) -> None:
+        """SIGTERM each child, last started first, waiting for each; SIGKILL what outlives the timeout."""
+        for c in reversed(self.children):
+            if not c.alive():
+                continue
+            log.info("stopping %s (pid %d)", c.name, c.pid)
+            c.signal(c.stop_signal)
+            try:
+                c.proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", c.name, self.stop_timeout)
+                c.signal(signal.SIGKILL)
+                c.proc.wait(5)
+
+
+def start_local_redis(port: int | None = None, workdir: str | None = None) -> tuple[Child, str]:
+    """A redis-server child on 127.0.0.1 (no persistence). Returns it and its URL once it answers."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed: install it (apt-get install redis-server, "
+                           "or bash scripts/setup.sh) or point REDIS_URL at a Redis")
+    port = port or free_port()
+    workdir = workdir or tempfile.mkdtemp(prefix="kaiten-redis-")
+    child = Child("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                            "--dir", workdir, "--loglevel", "warning"]).start()
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_redis(url, child)
+    return child, url
+
+
+def wait_redis(url: str, child: Child | None = None, timeout: float = 20.0) -> None:
+    from shared.redis_conn import redis_client
+    r = redis_client(url, retries=0, socket_timeout=1.0, socket_connect_timeout=1.0)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if r.ping():
+                return
+        except Exception as e:
+            if child is not None and not child.alive():
+                raise RuntimeError(f"redis-server exited with code {child.poll()}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Redis at {url} does not answer: {e}") from None
+        time.sleep(0.05)
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_http_ready(url: str, sup: Supervisor, timeout: float) -> bool:
+    """Poll ``url`` until it answers 2xx; False if a child dies, a stop is asked or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not sup.stopping.is_set():
+        if sup.check() is not None:
+            return False
+        if http_ok(url):
+            return True
+        sup.stopping.wait(0.25)
+    return False
+
+
+def _kaiten(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shared.cli", *args]
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra)
+    return env
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kaiten up", description="Run Redis (if needed), the tokenizer service, "
+                                "one engine worker and one gateway; Ctrl-C stops them all.")
+    p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--model", default=os.environ.get("KAITEN_MODEL", ""),
+                   help="model directory (default: the default SmolLM2, converted once)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
+                   help="use this Redis instead of starting one (env REDIS_URL)")
+    p.add_argument("--tokenizer-port", type=int, default=0, help="tokenizer service port (default: a free one)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the gateway's /ready")
+    p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each child gets to stop")
+    p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sup = Supervisor(stop_timeout=args.stop_timeout)
+
+    def on_signal(signum, frame):
+        if not sup.stopping.is_set():
+            log.info("%s: stopping", signal.Signals(signum).name)
+        sup.stopping.set()
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
+    if not port_is_free(args.host if args.host not in ("",) else "0.0.0.0", args.port):
+        print(f"kaiten up: port {args.port} on {args.host} is in use; pick another with --port", file=sys.stderr)
+        return 2
+
+    model = args.model
+    if not model:
+        from shared.gguf_convert import ensure_default_model
+        log.info("making sure the default model is converted (first run only)")
+        model = str(ensure_default_model())
+    model = str(Path(model).resolve())
+    if not Path(model).is_dir():
+        print(f"kaiten up: model directory {model} does not exist", file=sys.stderr)
+        return 2
+
+    try:
+        redis_url = args.redis_url
+        if redis_url:
+            wait_redis(redis_url)
+        else:
+            redis_child, redis_url = start_local_redis()
+            sup.children.append(redis_child)
+        tok_port = args.tokenizer_port or free_port()
+        tokenizer_url = f"http://127.0.0.1:{tok_port}"
+        sup.add(Child("tokenizer", _kaiten("tokenizer", "--host", "127.0.0.1", "--port", str(tok_port), "--model", model),
+                      _child_env(KAITEN_MODEL=model, KAITEN_HOST="127.0.0.1", KAITEN_PORT=str(tok_port))))
+        engine_env = _child_env(KAITEN_MODEL=model, REDIS_URL=redis_url)
+        # The gateway stops first, so there is nobody left to drain in-flight requests for.
+        engine_env.setdefault("KAITEN_DRAIN_TIMEOUT", "1")
+        engine_args = ["engine", "--model", model, "--redis-url", redis_url]
+        if "KAITEN_DEVICE" not in os.environ and _cuda_available():
+            engine_args += ["--device", "cuda"]
+        sup.add(Child("engine", _kaiten(*engine_args), engine_env))
+        sup.add(Child("gateway", _kaiten("gateway", "--host", args.host, "--port", str(args.port), "--model", model),
+                      _child_env(KAITEN_MODEL=model, KAITEN_HOST=args.host, KAITEN_PORT=str(args.port),
+                                 REDIS_URL=redis_url, TOKENIZER_URL=tokenizer_url)))
+    except Exception as e:
+        print(f"kaiten up: {e}", file=sys.stderr)
+        sup.stop_all()
+        return 1
+
+    base = f"http://{probe_host}:{args.port}"
+    if wait_http_ready(f"{base}/ready", sup, args.ready_timeout):
+        name = Path(model).name
+        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hello in one sentence."}],
+                           "max_tokens": 64})
+        print(f"\nKaiten is up: {base}  (chat page: {base}/ , OpenAI API: {base}/v1)\n"
+              f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
+              f"Ctrl-C stops it.\n", flush=True)
+    elif not sup.stopping.is_set() and sup.check() is None:
+        log.error("the gateway was not ready after %.0f s", args.ready_timeout)
+        sup.stop_all()
+        return 1
+    return sup.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
