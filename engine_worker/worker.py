@@ -223,25 +223,54 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-id", dest="engine_id", default=None,
                         help="consumer name; stable per deployment (env KAITEN_ENGINE_ID; default: hostname)")
     parser.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
+    parser.add_argument("--healthcheck", action="store_true",
+                        help="exit 0 if this engine's heartbeat is in Redis (for container healthchecks)")
     _add_dataclass_flags(parser.add_argument_group("engine"), EngineConfig, {"model"})
     _add_dataclass_flags(parser.add_argument_group("worker"), WorkerConfig, {"redis_url", "engine_id"})
     return parser
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, WorkerConfig]:
+def configs_from_args(args: argparse.Namespace, resolve_model: bool = True) -> tuple[EngineConfig, WorkerConfig]:
     kw = vars(args)
     ecfg = EngineConfig.from_env().with_overrides(**{f.name: kw.get(f.name) for f in dataclasses.fields(EngineConfig)})
     wcfg = WorkerConfig.from_env().with_overrides(**{f.name: kw.get(f.name) for f in dataclasses.fields(WorkerConfig)})
-    if not ecfg.model:
+    if not ecfg.model and resolve_model:
         from shared.gguf_convert import ensure_default_model
         ecfg = ecfg.with_overrides(model=str(ensure_default_model()))
     return ecfg, wcfg
+
+
+def healthcheck(wcfg: WorkerConfig) -> int:
+    """0 when the heartbeat of this host's engine (or of --engine-id) is fresh in Redis."""
+    import msgpack
+
+    from engine_worker.redis_source import default_engine_id
+    from shared import names
+    from shared.redis_conn import redis_client
+    engine_id = wcfg.engine_id or default_engine_id()
+    try:
+        raw = redis_client(wcfg.redis_url, retries=0, socket_timeout=2.0).get(names.heartbeat_key(engine_id))
+    except Exception as e:
+        print(f"unhealthy: Redis: {e}", file=sys.stderr)
+        return 1
+    if raw is None:
+        print(f"unhealthy: no heartbeat for engine {engine_id!r}", file=sys.stderr)
+        return 1
+    hb = msgpack.unpackb(raw, raw=False)
+    age = time.time() - float(hb.get("time", 0))
+    if age > wcfg.heartbeat_ttl:
+        print(f"unhealthy: heartbeat is {age:.1f} s old", file=sys.stderr)
+        return 1
+    print(f"healthy: engine {engine_id!r} model {hb.get('model')!r} running {hb.get('num_running')}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.healthcheck:
+        return healthcheck(configs_from_args(args, resolve_model=False)[1])
     ecfg, wcfg = configs_from_args(args)
     worker = EngineWorker(ecfg, wcfg)
     worker.install_signal_handlers()

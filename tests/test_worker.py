@@ -415,10 +415,13 @@ def test_heartbeat_contents(redis_url, start_worker, tiny_model_dir):
     assert busy["kv_cache_usage"] > 0
     gw.abort("busy")
     gw.wait(["busy"])
+    from engine_worker.worker import healthcheck
+    assert healthcheck(WorkerConfig(redis_url=redis_url, engine_id="hb-1")) == 0
     # A clean stop deletes the key, so gateways notice at once.
     w.stop(drain=False)
     w.thread.join(15)
     assert not r.exists(names.heartbeat_key("hb-1"))
+    assert healthcheck(WorkerConfig(redis_url=redis_url, engine_id="hb-1")) == 1
 
 
 def test_default_engine_id_is_unique_on_one_host(redis_url, start_worker):
