@@ -240,15 +240,36 @@ class RedisRequestSource:
         sec, usec = self.r.time()
         return int(sec) * 1000 + int(usec) // 1000
 
-    def _live_instance(self, engine_id: str) -> str | None:
+    def _read_heartbeat(self, engine_id: str) -> dict | None:
         raw = self.r.get(names.heartbeat_key(engine_id))
         if raw is None:
             return None
         try:
             hb = msgpack.unpackb(raw, raw=False)
-            return str(hb.get("instance", "?"))
+            return hb if isinstance(hb, dict) else {}
         except Exception:
-            return "?"
+            return {}
+
+    def _live_other(self, engine_id: str) -> str | None:
+        """The instance of another live engine heartbeating under ``engine_id``, else None.
+
+        A heartbeat left by a process that just died (a quick restart under the same name) is
+        waited out: live means refreshed within a couple of heartbeat intervals."""
+        stale_after = 2 * self.cfg.heartbeat_interval + 0.5
+        deadline = time.monotonic() + stale_after + 0.5
+        first_time = None
+        while True:
+            hb = self._read_heartbeat(engine_id)
+            if hb is None or hb.get("instance") == self.instance:
+                return None
+            t = float(hb.get("time", 0) or 0)
+            if time.time() - t > stale_after:
+                return None                                  # left behind by a dead process
+            if first_time is None:
+                first_time = t
+            elif t > first_time or time.monotonic() > deadline:
+                return str(hb.get("instance", "?"))          # refreshed: a live engine
+            time.sleep(min(0.2, self.cfg.heartbeat_interval / 2))
 
     def _choose_engine_id(self) -> None:
         """The consumer name must be stable per deployment and unique among live engines.
@@ -260,8 +281,8 @@ class RedisRequestSource:
         base = self.engine_id
         for n in range(1, 64):
             candidate = base if n == 1 else f"{base}-{n}"
-            other = self._live_instance(candidate)
-            if other is None or other == self.instance:
+            other = self._live_other(candidate)
+            if other is None:
                 self.engine_id = candidate
                 break
             if self.explicit_id:
@@ -439,10 +460,11 @@ class RedisRequestSource:
                 self._acks.append(req.entry_id)
                 del self._reqs[rid]
 
-    def fail_unstarted_for_handoff(self) -> list[str]:
-        """At shutdown: requests that published nothing stay pending in the stream for another
-        engine (or this one restarted) to take over. Returns the ids that already streamed
-        tokens; the caller ends those with an error delta."""
+    def started_requests(self) -> list[str]:
+        """Held requests that already streamed something to their gateway.
+
+        At shutdown the worker ends these with an error delta; the others stay pending in the
+        stream for another engine (or this one, restarted) to take over from the start."""
         started = []
         for rid, req in list(self._reqs.items()):
             if rid in self._seq or rid in self._out.get(req.reply_to, {}):

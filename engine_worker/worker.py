@@ -104,7 +104,7 @@ class EngineWorker:
 
     def _stats(self):
         st = self.engine.stats()
-        self.source.heartbeat_fields["capacity"] = int(self.engine.free_capacity())
+        self.source.heartbeat_fields["capacity"] = max(0, int(self.engine.free_capacity()) - len(self.source))
         return st
 
     # ------------------------------------------------------------------ the loop
@@ -154,6 +154,8 @@ class EngineWorker:
                 if not busy:
                     if started:
                         src.finish_round()           # idle: wait for the blocking read
+                        if capacity == 0:            # nothing was read, so nothing blocked
+                            self._stop.wait(self.cfg.idle_block_ms / 1000)
                     else:                            # Redis down and nothing to compute
                         self._stop.wait(min(0.1, max(0.005, src.retry_delay())))
                 if time.monotonic() - last_log > LOG_INTERVAL:
@@ -174,7 +176,7 @@ class EngineWorker:
             src.finish_round()
             # Requests that already streamed tokens end with an error; the rest stay pending in the
             # stream for another engine (or this one, restarted) to take over.
-            for rid in src.fail_unstarted_for_handoff():
+            for rid in src.started_requests():
                 src.error_request(rid, "the engine shut down")
                 self.engine.abort_request(rid)
             src.accepting = False
