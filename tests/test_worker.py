@@ -362,22 +362,25 @@ def test_nogroup_recovery_and_redis_outage(tiny_model_dir, start_worker):
     try:
         url = server.url
         gw = FakeGateway(url, "gw-outage")
-        w = start_worker(engine_id="e-outage", url=url, redis_retry_max=1.0)
+        # Reconnect backoff 0.1, 0.2, 0.4, 0.8, 1.6 s: retries ~0.1, 0.3, 0.7, 1.5 and 3.1 s into the
+        # outage. Redis comes back at ~1.6 s, so the gateway resubscribes well before the worker
+        # reconnects and publishes what it held back.
+        w = start_worker(engine_id="e-outage", url=url, redis_retry_max=3.0)
         gw.submit("before", PROMPTS[0], max_tokens=4)
         gw.wait(["before"])
 
         # Redis goes away in the middle of a generation and comes back empty.
-        gw.submit("through", PROMPTS[2], max_tokens=300, ignore_eos=True)
+        gw.submit("through", PROMPTS[2], max_tokens=200, ignore_eos=True)
         wait_until(lambda: gw.pump(0.05) is not None and gw.deltas.get("through"), what="first delta")
         server.stop()
-        time.sleep(1.0)
-        assert w.thread.is_alive()
+        time.sleep(1.6)
+        assert w.thread.is_alive() and not w.source.redis_up
         server.start()
         gw = FakeGateway(url, "gw-outage")            # the gateway reconnects and resubscribes
-        wait_until(lambda: not w.engine.has_unfinished(), timeout=30, what="in-flight work to finish")
+        wait_until(lambda: not w.engine.has_unfinished(), timeout=60, what="in-flight work to finish")
         assert w.source.counters["redis_errors"] > 0
-        gw.wait(["through"], timeout=15)
-        assert gw.terminal("through").num_output_tokens == 300   # the engine kept its work
+        gw.wait(["through"], timeout=30)
+        assert gw.terminal("through").num_output_tokens == 200   # the engine kept its work
 
         # The group is gone (NOGROUP): the worker recreates it and serves new requests.
         gw.submit("after", PROMPTS[1], max_tokens=4)
