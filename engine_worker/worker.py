@@ -243,28 +243,14 @@ def configs_from_args(args: argparse.Namespace, resolve_model: bool = True) -> t
 
 
 def healthcheck(wcfg: WorkerConfig) -> int:
-    """0 when the heartbeat of this host's engine (or of --engine-id) is fresh in Redis."""
-    import msgpack
+    """0 when the heartbeat of this host's engine (or of --engine-id) is fresh in Redis.
 
+    Containers use the lighter ``python -m shared.healthcheck engine`` (no torch import)."""
     from engine_worker.redis_source import default_engine_id
-    from shared import names
-    from shared.redis_conn import redis_client
-    engine_id = wcfg.engine_id or default_engine_id()
-    try:
-        raw = redis_client(wcfg.redis_url, retries=0, socket_timeout=2.0).get(names.heartbeat_key(engine_id))
-    except Exception as e:
-        print(f"unhealthy: Redis: {e}", file=sys.stderr)
-        return 1
-    if raw is None:
-        print(f"unhealthy: no heartbeat for engine {engine_id!r}", file=sys.stderr)
-        return 1
-    hb = msgpack.unpackb(raw, raw=False)
-    age = time.time() - float(hb.get("time", 0))
-    if age > wcfg.heartbeat_ttl:
-        print(f"unhealthy: heartbeat is {age:.1f} s old", file=sys.stderr)
-        return 1
-    print(f"healthy: engine {engine_id!r} model {hb.get('model')!r} running {hb.get('num_running')}")
-    return 0
+    from shared.healthcheck import engine_heartbeat
+    ok, why = engine_heartbeat(wcfg.redis_url, wcfg.engine_id or default_engine_id(), wcfg.heartbeat_ttl)
+    print(("healthy: " if ok else "unhealthy: ") + why, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

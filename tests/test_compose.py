@@ -49,7 +49,7 @@ def check_config(cfg: dict) -> None:
         assert services[name].get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
     assert "/ready" in _cmd_text(services["gateway"]["healthcheck"]["test"])
     assert "/health" in _cmd_text(services["tokenizer"]["healthcheck"]["test"])
-    assert "--healthcheck" in _cmd_text(services["engine"]["healthcheck"]["test"])
+    assert "shared.healthcheck engine" in _cmd_text(services["engine"]["healthcheck"]["test"])
 
     # GPU reservation on the engine, a CPU engine in the cpu profile.
     devices = services["engine"]["deploy"]["resources"]["reservations"]["devices"]
