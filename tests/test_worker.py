@@ -468,9 +468,15 @@ def test_cli_process_serves_and_stops_on_sigterm(redis_url, tiny_model_dir):
         gw.submit("cli-req", PROMPTS[0], max_tokens=5)
         gw.wait(["cli-req"])
         assert len(gw.tokens("cli-req")) == 5
+        # SIGTERM drains: the request in flight finishes normally, then the process exits 0.
+        gw.submit("in-flight", PROMPTS[2], max_tokens=150, ignore_eos=True)
+        wait_until(lambda: gw.pump(0.05) is not None and gw.deltas.get("in-flight"), what="first delta")
         proc.send_signal(signal.SIGTERM)
+        gw.wait(["in-flight"], timeout=60)
+        assert gw.terminal("in-flight").finish_reason == "length" and len(gw.tokens("in-flight")) == 150
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, out.decode()
+        assert pending_count(r) == 0
         assert not r.exists(names.heartbeat_key("cli-1"))
         assert b"stopped" in out
     finally:
