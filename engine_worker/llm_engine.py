@@ -76,7 +76,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
         log.info("engine ready: model=%s dtype=%s blocks=%d x %d tokens, backend=%s", self.model_name,
-                 config.dtype, self.runner.num_blocks, self.runner.block_size, self.runner.backend.name)
+                 self.runner.dtype, self.runner.num_blocks, self.runner.block_size, self.runner.backend.name)
 
     @property
     def eos_token_id(self) -> int | None:

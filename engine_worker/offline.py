@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kaiten generate", description="Generate offline with the engine.")
     ap.add_argument("prompt", nargs="+", help="chat messages from the user, one request each")
     ap.add_argument("--model", default="", help="model directory (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)

@@ -65,8 +65,12 @@ class _EnvConfig:
 @dataclass(slots=True)
 class EngineConfig(_EnvConfig):
     model: str = ""                      # model directory; "" means the default SmolLM2
-    dtype: str = "bfloat16"              # bfloat16 | float32 | float16
+    dtype: str = "auto"                  # auto | bfloat16 | float32 | float16 (auto: bf16 where the
+                                         # hardware has bf16 matmuls, i.e. CUDA or AVX512-BF16/AMX)
     device: str = "cpu"
+    num_threads: int = 0                 # torch CPU threads; 0 = torch's default (one per core).
+                                         # Use 1 when several engines share few cores: OpenMP
+                                         # threads that spin-wait on a busy CPU cost ~10 ms per op.
     block_size: int = 16
     kv_cache_memory: str = "1GiB"        # KV pool budget: bytes or "2GiB"
     max_num_batched_tokens: int = 2048   # per-step token budget (prefill chunks + decodes)
