@@ -1,3 +1,10 @@
+import os
+
+# Tests run several torch processes (engines, gateways, the HF reference) on few cores. OpenMP
+# threads that spin-wait on a busy core make every op wait a scheduler quantum (~10 ms), so each
+# process gets one thread. Set before torch is imported; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 from tests.redis_server import RedisServer
