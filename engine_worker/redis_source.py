@@ -337,7 +337,19 @@ class RedisRequestSource:
 
     # ------------------------------------------------------------------ ingest
     def _ingest(self, entry_id: bytes, fields: dict | None, deliveries: int, source: str) -> None:
+        """Take one stream entry: queue it for the engine, or dead-letter/answer it. Never raises."""
         entry_id = _b(entry_id)
+        try:
+            self._ingest_entry(entry_id, fields, deliveries, source)
+        except Exception as e:   # a bug or an input nobody foresaw must not stop the loop
+            log.exception("entry %s could not be handled", entry_id.decode(errors="replace"))
+            rid, reply_to = _salvage_ids(fields.get(names.PAYLOAD_FIELD) if isinstance(fields, dict) else None)
+            if rid in self._reqs:
+                rid = reply_to = None        # already held: leave that request alone
+            self._dead_letter(entry_id, fields if isinstance(fields, dict) else {},
+                              f"could not be handled: {type(e).__name__}: {e}", deliveries, rid, reply_to)
+
+    def _ingest_entry(self, entry_id: bytes, fields: dict | None, deliveries: int, source: str) -> None:
         if fields is None:       # the entry was trimmed away while pending
             self._acks.append(entry_id)
             return
@@ -348,6 +360,8 @@ class RedisRequestSource:
             msg = decode(payload)
             if not isinstance(msg, GenerateRequest):
                 raise ProtocolError(f"expected a request message on {names.REQUEST_STREAM}, got {msg.T!r}")
+            if msg.deadline is not None and (not isinstance(msg.deadline, (int, float)) or isinstance(msg.deadline, bool)):
+                raise ProtocolError("request: deadline must be a number or nil")
         except ProtocolError as e:
             rid, reply_to = _salvage_ids(payload)
             self._dead_letter(entry_id, fields, f"malformed request: {e}", deliveries, rid, reply_to)

@@ -267,6 +267,7 @@ def test_garbage_entries_are_dead_lettered_and_worker_keeps_serving(redis_url, s
         ({b"other": b"no payload field"}, None),
         ({b"m": protocol.encode(protocol.Abort("x"))}, None),                      # wrong message type
         ({b"m": pack({**good, "request_id": 7})}, None),                           # unusable id
+        ({b"m": pack({**good, "request_id": "bad-deadline", "deadline": "soon"})}, "bad-deadline"),
     ]
     for fields, _ in bad_entries:
         r.xadd(names.REQUEST_STREAM, fields)
