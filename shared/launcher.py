@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         from shared.gguf_convert import ensure_default_model
         log.info("making sure the default model is converted (first run only)")
         model = str(ensure_default_model())
+    if sup.stopping.is_set():
+        return 130
     model = str(Path(model).resolve())
     if not Path(model).is_dir():
         print(f"kaiten up: model directory {model} does not exist", file=sys.stderr)
