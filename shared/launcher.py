@@ -7,7 +7,8 @@
    is given;
 3. runs ``kaiten tokenizer``, one ``kaiten engine`` and one ``kaiten gateway`` as child processes
    (the gateway gets ``TOKENIZER_URL`` pointing at the tokenizer service);
-4. waits until the gateway answers ``GET /ready``, prints the URL and a curl line to try;
+4. waits until the tokenizer answers ``GET /health`` and the gateway ``GET /ready``, then prints
+   the URL and a curl line to try;
 5. stops every child cleanly on Ctrl-C/SIGTERM (gateway first, Redis last); if any child dies,
    stops the rest and exits non-zero.
 
@@ -285,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     base = f"http://{probe_host}:{args.port}"
-    if wait_http_ready(f"{base}/ready", sup, args.ready_timeout):
+    deadline = time.monotonic() + args.ready_timeout
+    if (wait_http_ready(f"{tokenizer_url}/health", sup, args.ready_timeout)
+            and wait_http_ready(f"{base}/ready", sup, max(1.0, deadline - time.monotonic()))):
         name = Path(model).name
         body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hello in one sentence."}],
                            "max_tokens": 64})
