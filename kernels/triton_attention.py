@@ -1,0 +1,503 @@
+"""Paged attention in Triton: KV write, split-KV decode and chunked-prefill attention.
+
+All kernels read K/V from the paged cache ``[num_blocks, block_size, num_kv_heads, head_dim]``
+through the block tables (see ``kernels/interface.py``); any block size works because every KV
+tile gathers its rows token by token (``page = block_table[t // block_size]``), so a tile of
+``BLOCK_N`` keys may span several cache blocks.
+
+GQA is handled inside the kernels: a program owns one KV head and all ``G = num_heads //
+num_kv_heads`` query heads that read it, so each K/V tile is loaded once per group and K/V are
+never repeated. In the prefill kernel the rows of a tile are (query token, head-in-group) pairs,
+``BLOCK_Q = BLOCK_M // G`` tokens times ``G`` heads; in the decode kernel the rows are the ``G``
+heads of the single query token (padded to 16 rows for ``tl.dot``).
+
+Nothing here syncs with the device or depends on tensor values on the host, so the launches are
+safe to capture in CUDA graphs (grids depend on shapes and on ``meta.max_seqlen_*`` only).
+
+Set ``TRITON_INTERPRET=1`` before importing this module to run the kernels on CPU tensors with
+Triton's interpreter (Triton reads it when ``@triton.jit`` decorates the kernels).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.interface import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# KV write
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _write_kv_kernel(
+    K, V, K_cache, V_cache, slot_mapping, num_tokens,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kco, stride_kch, stride_kcd,
+    stride_vcb, stride_vco, stride_vch, stride_vcd,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """BLOCK_T tokens per program; each token row is its (head, dim) pairs flattened."""
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_mapping + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    blk = slot // PAGE
+    off = slot % PAGE
+    hd = tl.arange(0, BLOCK_H * BLOCK_D)
+    h = hd // BLOCK_D
+    d = hd % BLOCK_D
+    # a slot of -1 (padding row, e.g. a padded CUDA-graph batch) writes nothing
+    mask = (slot >= 0)[:, None] & ((h < NUM_KV_HEADS) & (d < HEAD_DIM))[None, :]
+    src_k = tok[:, None] * stride_kt + (h * stride_kh + d * stride_kd)[None, :]
+    src_v = tok[:, None] * stride_vt + (h * stride_vh + d * stride_vd)[None, :]
+    k = tl.load(K + src_k, mask=mask)
+    v = tl.load(V + src_v, mask=mask)
+    dst_k = (blk * stride_kcb + off * stride_kco)[:, None] + (h * stride_kch + d * stride_kcd)[None, :]
+    dst_v = (blk * stride_vcb + off * stride_vco)[:, None] + (h * stride_vch + d * stride_vcd)[None, :]
+    tl.store(K_cache + dst_k, k.to(K_cache.dtype.element_ty), mask=mask)
+    tl.store(V_cache + dst_v, v.to(V_cache.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared inner loop: online softmax over KV tiles [tile_lo, tile_hi) of one sequence
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _attn_tiles(
+    acc, m_i, l_i, q, qpos,
+    K_cache, V_cache, bt_row, kvh,
+    stride_kb, stride_ko, stride_kh, stride_kd,
+    stride_vb, stride_vo, stride_vh, stride_vd,
+    tile_lo, tile_hi, kv_len, qk_scale,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """kv_len: number of valid keys (loads are masked to it). CAUSAL: also mask key > qpos[row].
+    Non-causal tiles must be fully below every row's position (the caller guarantees it)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_len
+        page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        slot_off = (offs_n % PAGE).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K_cache + page[:, None] * stride_kb + slot_off[:, None] * stride_ko
+                    + kvh * stride_kh + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(V_cache + page[:, None] * stride_vb + slot_off[:, None] * stride_vo
+                    + kvh * stride_vh + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if CAUSAL:
+            keep = (offs_n[None, :] <= qpos[:, None]) & n_mask[None, :]
+            s = tl.where(keep, s, float("-inf"))
+        else:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # m_new is finite for every row: each row sees at least one key in the first tile, and
+        # rows with no key in a later tile keep their previous (finite) max.
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# --------------------------------------------------------------------------------------------
+# Decode: one query token per sequence, optional split-KV (flash-decoding) + reduction
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_kernel(
+    Q, K_cache, V_cache, O, O_part, LSE_part,
+    cu_seqlens_q, seqlens_k, block_tables,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ko, stride_kh, stride_kd,
+    stride_vb, stride_vo, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if q_len != 1:      # no query this step, or a prefill chunk (the prefill kernel's) in a mix
+        return
+    kv_len = tl.load(seqlens_k + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    tok = q_start.to(tl.int64)
+    q = tl.load(Q + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    qpos = tl.zeros([BLOCK_G], dtype=tl.int32)  # unused (not causal: one query at the end)
+    bt_row = block_tables + seq.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, qpos, K_cache, V_cache, bt_row, kvh,
+        stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
+        tile_lo, tile_hi, kv_len, qk_scale,
+        PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION)
+
+    empty = l_i == 0.0                  # no keys in this split (or an empty context)
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if SPLIT:
+        # partials: [num_seqs, num_heads, num_splits, (BLOCK_D)], lse in log2 units
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        row = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        tl.store(LSE_part + row, lse, mask=g_mask)
+        tl.store(O_part + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_mask[:, None])
+    else:
+        tl.store(O + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    O, O_part, LSE_part, cu_seqlens_q, num_splits,
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if q_len != 1:
+        return
+    tok = q_start.to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    row = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits + offs_s
+    lse = tl.load(LSE_part + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)    # empty context: all weights 0 -> output 0
+    w = tl.exp2(lse - m)
+    live = s_mask & (lse > float("-inf"))
+    part = tl.load(O_part + row[:, None] * BLOCK_D + offs_d[None, :], mask=live[:, None], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(O + tok * stride_ot + head * stride_oh + offs_d * stride_od,
+             out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill (chunked, with a cached prefix; also handles q_len 1 rows of mixed batches)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _find_seq(cu_seqlens_q, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Largest i with cu_seqlens_q[i] // BLOCK_Q + i <= pid (sequence i's q-tiles start there)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_seqlens_q + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K_cache, V_cache, O,
+    cu_seqlens_q, seqlens_k, block_tables,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ko, stride_kh, stride_kd,
+    stride_vb, stride_vo, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = _find_seq(cu_seqlens_q, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    q_tile = pid - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    if SKIP_DECODE:             # q_len 1 rows of a mixed batch: the decode kernel does them
+        if q_len == 1:
+            return
+    kv_len = tl.load(seqlens_k + seq)
+    ctx_start = kv_len - q_len           # position of the sequence's first query token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_idx = q_tile * BLOCK_Q + offs_m // GROUP          # query index within the sequence
+    heads = kvh * GROUP + offs_m % GROUP
+    row_valid = (offs_m // GROUP < BLOCK_Q) & (q_idx < q_len)
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    # Padding rows attend to key 0 only, so every row has a finite max (their output is dropped).
+    qpos = tl.where(row_valid, ctx_start + q_idx, 0)
+
+    first_pos = ctx_start + q_tile * BLOCK_Q                          # tile's first query position
+    kv_hi = tl.minimum(kv_len, first_pos + BLOCK_Q)                   # keys this tile can see
+    full_tiles = (first_pos + 1) // BLOCK_N       # tiles with every key <= first_pos: no masking
+    num_tiles = tl.cdiv(kv_hi, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables + seq.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, qpos, K_cache, V_cache, bt_row, kvh,
+        stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
+        0, full_tiles, kv_hi, qk_scale,
+        PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION)
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, qpos, K_cache, V_cache, bt_row, kvh,
+        stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
+        full_tiles, num_tiles, kv_hi, qk_scale,
+        PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, True, DOT_PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]     # l_i == 0 only for an empty context
+    tl.store(O + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+_SM_COUNT: dict[int, int] = {}
+# True when TRITON_INTERPRET=1 was set before import: kernels then run on CPU tensors.
+INTERPRETED = not isinstance(_prefill_kernel, triton.runtime.JITFunction)
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if not t.is_cuda and not INTERPRETED:
+        raise RuntimeError("the Triton attention backend needs CUDA tensors (on CPU use the torch "
+                           "backend, or set TRITON_INTERPRET=1 before importing triton)")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key/value [num_tokens, num_kv_heads, head_dim] -> cache slots (slot -1 skipped)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_device(key)
+    assert value.shape == key.shape and slot_mapping.shape[0] >= num_tokens
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
+    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    row = block_h * block_d
+    block_t = max(1, 2048 // row)      # ~2K elements per program: 16 per thread with 4 warps
+    _write_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+        key, value, k_cache, v_cache, slot_mapping, num_tokens,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4 if block_t * row >= 1024 else 1,
+    )
+
+
+def _prefill_config(elem_size: int, block_d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel. Chosen from sm_90 builds
+    (register use without spills): 16-bit inputs use tensor cores at 128 rows per tile; fp32
+    (tf32x3 dots) needs smaller tiles."""
+    if elem_size <= 2:
+        if block_d <= 128:
+            return 128, 64, 8, 2
+        return (128, 32, 8, 2) if block_d <= 256 else (64, 32, 4, 2)
+    return (64, 32, 4, 2) if block_d <= 64 else (32, 32, 4, 2)
+
+
+def _decode_config(elem_size: int, block_d: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel (memory bound: small register
+    footprint so several programs share an SM, and a few tiles of loads in flight)."""
+    if elem_size <= 2:
+        if block_d <= 64:
+            return 64, 4, 3
+        return (32, 4, 3) if block_d <= 128 else (16, 4, 3)
+    if block_d <= 64:
+        return 64, 4, 2
+    return (32, 8, 2) if block_d <= 128 else (16, 4, 2)
+
+
+class TritonAttention:
+    """Paged attention backend on Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1).
+
+    Decode-only batches (max_seqlen_q == 1) go to the split-KV decode kernel, everything else
+    (prefill chunks with a cached prefix, mixed prefill + decode batches) to the prefill kernel,
+    which handles q_len 1 rows too; by default a mixed batch's q_len-1 rows are handed to the
+    decode kernel instead (see split_mixed).
+
+    Tunables (the defaults suit an H100; tests shrink tiles to exercise multi-tile paths):
+      prefill_block_m / prefill_block_n: tile rows (query tokens x group heads) and keys,
+      decode_block_n: keys per decode tile,
+      decode_splits: force the split-KV count (None: from the SM count and the context length),
+      fp32_precision: tl.dot precision for fp32 inputs: "tf32x3" (default; about fp32 accuracy
+      on tensor cores), "ieee" (exact, slow FMA path) or "tf32" (fastest, ~1e-3 error),
+      split_mixed: in mixed batches send the q_len-1 rows to the decode kernel (default) instead
+      of the prefill kernel.
+    """
+
+    name = "triton"
+
+    def __init__(self, *, prefill_block_m: int | None = None, prefill_block_n: int | None = None,
+                 decode_block_n: int | None = None, decode_splits: int | None = None,
+                 max_decode_splits: int = 32, fp32_precision: str = "tf32x3",
+                 split_mixed: bool = True):
+        if fp32_precision not in ("tf32x3", "ieee", "tf32"):
+            raise ValueError(f"fp32_precision must be tf32x3, ieee or tf32, not {fp32_precision!r}")
+        for n in (prefill_block_m, prefill_block_n, decode_block_n):
+            if n is not None and (n < 16 or n & (n - 1)):
+                raise ValueError(f"tile sizes must be powers of two >= 16, got {n}")
+        self.prefill_block_m = prefill_block_m
+        self.prefill_block_n = prefill_block_n
+        self.decode_block_n = decode_block_n
+        self.decode_splits = decode_splits
+        self.max_decode_splits = max_decode_splits
+        self.fp32_precision = fp32_precision
+        self.split_mixed = split_mixed
+
+    # -- interface ----------------------------------------------------------------------------
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: optional preallocated [num_tokens, num_heads, head_dim] result (any strides)."""
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if q.shape[0] == 0:
+            return out
+        _check_device(q)
+        if meta.is_decode_only:
+            self.decode(q, k_cache, v_cache, meta, scale, out)
+            return out
+        # Mixed batch: the q_len-1 rows go to the decode kernel (a prefill tile would spend
+        # BLOCK_M rows of work on a handful of heads), the rest to the prefill kernel. Both
+        # kernels skip the other's sequences on the device, so this needs no host sync.
+        lens = meta.seqlens_q_list
+        has_decode = self.split_mixed and (lens is None or 1 in lens)
+        self.prefill(q, k_cache, v_cache, meta, scale, out, skip_decode=has_decode)
+        if has_decode:
+            self.decode(q, k_cache, v_cache, meta, scale, out)
+        return out
+
+    # -- launches -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _check(q, k_cache, v_cache):
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+            raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                             f"v_cache {tuple(v_cache.shape)}")
+        return num_heads // num_kv_heads, num_kv_heads, head_dim
+
+    def _dot_precision(self, q: torch.Tensor) -> str | None:
+        return self.fp32_precision if q.dtype == torch.float32 else None
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                skip_decode: bool = False):
+        """All sequences (any q_len >= 1), or with skip_decode all but those with q_len 1."""
+        group, num_kv_heads, head_dim = self._check(q, k_cache, v_cache)
+        block_d = triton.next_power_of_2(head_dim)
+        block_m, block_n, num_warps, num_stages = _prefill_config(q.element_size(), block_d)
+        block_m = max(self.prefill_block_m or block_m, triton.next_power_of_2(group))
+        block_n = self.prefill_block_n or block_n
+        block_q = block_m // group
+        num_seqs = meta.num_seqs
+        grid = (q.shape[0] // block_q + num_seqs, num_kv_heads)
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, out,
+            meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables,
+            scale * LOG2E, num_seqs,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+            meta.block_tables.stride(0),
+            GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=head_dim,
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
+            SKIP_DECODE=skip_decode, DOT_PRECISION=self._dot_precision(q),
+            num_warps=num_warps, num_stages=num_stages,
+        )
+
+    def _num_splits(self, q, num_seqs, num_kv_heads, max_seqlen_k, block_n) -> int:
+        if self.decode_splits is not None:
+            return max(1, int(self.decode_splits))
+        sms = _sm_count(q.device)
+        programs = num_seqs * num_kv_heads
+        if sms == 0 or programs >= sms:
+            return 1
+        # Enough programs to fill the GPU twice, but at least 2 KV tiles per split.
+        splits = min(math.ceil(2 * sms / programs), math.ceil(max_seqlen_k / (2 * block_n)),
+                     self.max_decode_splits)
+        return max(1, splits)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor):
+        """The sequences with q_len 1 (all of them in a decode-only batch); others untouched."""
+        group, num_kv_heads, head_dim = self._check(q, k_cache, v_cache)
+        num_seqs = meta.num_seqs
+        block_d = triton.next_power_of_2(head_dim)
+        block_g = max(16, triton.next_power_of_2(group))
+        block_n, num_warps, num_stages = _decode_config(q.element_size(), block_d)
+        block_n = self.decode_block_n or block_n
+        splits = self._num_splits(q, num_seqs, num_kv_heads, meta.max_seqlen_k, block_n)
+        if splits > 1:
+            o_part = torch.empty((num_seqs, q.shape[1], splits, block_d), dtype=torch.float32,
+                                 device=q.device)
+            lse_part = torch.empty((num_seqs, q.shape[1], splits), dtype=torch.float32,
+                                   device=q.device)
+        else:
+            o_part = lse_part = out     # unused
+        _decode_kernel[(num_seqs, num_kv_heads, splits)](
+            q, k_cache, v_cache, out, o_part, lse_part,
+            meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables,
+            scale * LOG2E, splits,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+            meta.block_tables.stride(0),
+            GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=head_dim,
+            BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+            SPLIT=splits > 1, DOT_PRECISION=self._dot_precision(q),
+            num_warps=num_warps, num_stages=num_stages,
+        )
+        if splits > 1:
+            _decode_reduce_kernel[(num_seqs, q.shape[1])](
+                out, o_part, lse_part, meta.cu_seqlens_q, splits, *out.stride(),
+                HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+                num_warps=1 if block_d <= 64 else 2,
+            )
