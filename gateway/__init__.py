@@ -1,0 +1,4 @@
+"""The Kaiten gateway: OpenAI-compatible HTTP and WebSocket API in front of the engine workers."""
+from gateway.app import create_app, main
+
+__all__ = ["create_app", "main"]

@@ -1,0 +1,464 @@
+"""`kaiten gateway`: the OpenAI-compatible HTTP/WebSocket front end (Starlette + uvicorn).
+
+    kaiten gateway [--host H] [--port P] [--model DIR] [--redis-url URL] [--tokenizer-url URL]
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), GET /v1/models,
+WebSocket /v1/chat/ws (see .helpers/WS_PROTOCOL.md), GET /v1/status, GET /health (liveness),
+GET /ready (Redis reachable and an engine alive), GET /metrics (Prometheus), and the chat page at
+/ (gateway/static/index.html) with its files under /static.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from shared.config import GatewayConfig
+
+from .core import Gateway
+from .errors import APIError, bad_request
+from .metrics import CONTENT_TYPE_LATEST
+from .openai_api import parse_chat, parse_completion
+from .responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
+
+log = logging.getLogger("kaiten.gateway")
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+WS_CHAT_FIELDS = frozenset({"model", "messages", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop",
+                            "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos"})
+WS_MAX_ACTIVE = 16
+
+
+# ---------------------------------------------------------------------- helpers
+def _gw(request: Request | WebSocket) -> Gateway:
+    return request.app.state.gw
+
+
+def _token_from(headers, query=None) -> str:
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    if query is not None:
+        return query.get("api_key", "")
+    return ""
+
+
+def authorized(gw: Gateway, token: str) -> bool:
+    keys = gw.config.api_keys
+    if not keys:
+        return True
+    ok = False
+    given = token.encode()
+    for key in keys:                      # compare with every key: no early exit on a match
+        ok |= hmac.compare_digest(given, key.encode())
+    return ok and bool(token)
+
+
+def check_auth(request: Request) -> None:
+    if not authorized(_gw(request), _token_from(request.headers)):
+        raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            if int(cl) > limit:
+                raise APIError(413, f"request body too large (limit {limit} bytes)", code="request_too_large")
+        except ValueError:
+            raise bad_request("invalid Content-Length header", None, "invalid_header") from None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body too large (limit {limit} bytes)", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"invalid JSON in the request body: {e}", None, "invalid_json") from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _run_unstreamed(request: Request, gw: Gateway, gens, build) -> Response:
+    """Collect every choice; a client that goes away aborts them."""
+    work = asyncio.create_task(collect(gens))
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            gw.metrics.error("client_disconnected")
+            return Response(status_code=499)
+        try:
+            pieces = work.result()
+        except APIError as e:
+            gw.record(gens, e)
+            return e.response()
+        gw.record(gens)
+        return JSONResponse(await build(pieces))
+    finally:
+        watcher.cancel()
+        gw.close(gens)
+
+
+# ---------------------------------------------------------------------- OpenAI endpoints
+async def completions(request: Request) -> Response:
+    gw = _gw(request)
+    try:
+        check_auth(request)
+        body = await read_json(request, gw.config.max_body_bytes)
+        parsed = await parse_completion(body, gw.model_context())
+        gw.admit(parsed)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gens = await gw.submit(parsed, rid)
+    except APIError as e:
+        gw.metrics.rejected(e.status)
+        return e.response()
+    created = int(time.time())
+    if parsed.stream:
+        return SSEResponse(completion_sse(gw, parsed, gens, rid, created), lambda: gw.close(gens))
+
+    async def build(pieces):
+        texts = {}
+        if parsed.echo:
+            for g in gens:
+                texts[g.sub.index] = (g.sub.prompt_text if g.sub.prompt_text is not None
+                                      else await gw.tokenizer.decode(g.sub.prompt_ids))
+        return completion_response(gw, parsed, gens, pieces, rid, created, texts)
+
+    return await _run_unstreamed(request, gw, gens, build)
+
+
+async def chat_completions(request: Request) -> Response:
+    gw = _gw(request)
+    try:
+        check_auth(request)
+        body = await read_json(request, gw.config.max_body_bytes)
+        parsed = await parse_chat(body, gw.model_context())
+        gw.admit(parsed)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gens = await gw.submit(parsed, rid)
+    except APIError as e:
+        gw.metrics.rejected(e.status)
+        return e.response()
+    created = int(time.time())
+    if parsed.stream:
+        return SSEResponse(chat_sse(gw, parsed, gens, rid, created), lambda: gw.close(gens))
+
+    async def build(pieces):
+        return chat_response(gw, parsed, gens, pieces, rid, created)
+
+    return await _run_unstreamed(request, gw, gens, build)
+
+
+async def models(request: Request) -> Response:
+    gw = _gw(request)
+    try:
+        check_auth(request)
+    except APIError as e:
+        return e.response()
+    live = gw.monitor.live_engines()
+    data = []
+    if live:
+        data.append({"id": gw.served_model_name, "object": "model", "created": int(gw.started_at),
+                     "owned_by": "kaiten", "root": gw.model_dir or gw.served_model_name,
+                     "max_model_len": gw.max_model_len(), "engines": len(live)})
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def model_detail(request: Request) -> Response:
+    gw = _gw(request)
+    try:
+        check_auth(request)
+    except APIError as e:
+        return e.response()
+    name = request.path_params["model"]
+    if name not in gw.model_names or not gw.monitor.live_engines():
+        return APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found").response()
+    return JSONResponse({"id": gw.served_model_name, "object": "model", "created": int(gw.started_at),
+                         "owned_by": "kaiten"})
+
+
+# ---------------------------------------------------------------------- operations
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok", "gateway_id": _gw(request).gateway_id})
+
+
+async def ready(request: Request) -> Response:
+    gw = _gw(request)
+    problems = []
+    try:
+        await asyncio.wait_for(gw.redis.ping(), 2.0)
+    except Exception as e:
+        problems.append(f"redis unreachable: {type(e).__name__}")
+    if not gw.router.subscribed.is_set():
+        problems.append("reply channel not subscribed")
+    engines = len(gw.monitor.live_engines())
+    if engines == 0:
+        problems.append("no live engine")
+    body = {"status": "ready" if not problems else "not ready", "engines": engines, "problems": problems}
+    return JSONResponse(body, status_code=200 if not problems else 503)
+
+
+async def status(request: Request) -> Response:
+    return JSONResponse(_gw(request).status())
+
+
+async def metrics(request: Request) -> Response:
+    gw = _gw(request)
+    gw.metrics.update_load(gw.monitor.load())
+    return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def index(request: Request) -> Response:
+    page = STATIC_DIR / "index.html"
+    if page.is_file():
+        return FileResponse(page, media_type="text/html")
+    return HTMLResponse("<!doctype html><title>Kaiten</title><p>Kaiten gateway. The chat page is not installed "
+                        "(gateway/static/index.html). The API is at <code>/v1</code>.</p>")
+
+
+# ---------------------------------------------------------------------- WebSocket chat
+async def chat_ws(websocket: WebSocket) -> None:
+    gw = _gw(websocket)
+    await websocket.accept()
+    send_lock = asyncio.Lock()
+    closed = False
+
+    async def send(obj: dict) -> None:
+        nonlocal closed
+        if closed:
+            return
+        try:
+            async with send_lock:
+                await websocket.send_text(json.dumps(obj, ensure_ascii=False))
+        except Exception:
+            closed = True
+
+    async def send_error(cid, err: APIError) -> None:
+        msg = {"type": "error", "id": cid, "status": err.status, "error": err.body()["error"]}
+        if err.retry_after is not None:
+            msg["retry_after"] = max(1, int(round(err.retry_after)))
+        await send(msg)
+
+    if not authorized(gw, _token_from(websocket.headers, websocket.query_params)):
+        await send_error(None, APIError(401, "Invalid or missing API key", code="invalid_api_key"))
+        await websocket.close(code=1008)
+        return
+
+    active: dict[str, asyncio.Task] = {}
+
+    async def run_chat(cid: str, data: dict) -> None:
+        gens = None
+        finished = False
+        try:
+            body = {k: v for k, v in data.items() if k not in ("type", "id")}
+            parsed = await parse_chat(body, gw.model_context(), force_stream=True, allowed=WS_CHAT_FIELDS)
+            gw.admit(parsed)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            gens = await gw.submit(parsed, rid)
+            g = gens[0]
+            await send({"type": "start", "id": cid, "request_id": rid, "model": parsed.model})
+            async for p in g.pieces():
+                if p.text:
+                    await send({"type": "delta", "id": cid, "content": p.text})
+            finished = True
+            gw.record(gens)
+            await send({"type": "done", "id": cid, "finish_reason": g.finish_reason,
+                        "usage": _ws_usage(g), "metrics": g.metrics_summary()})
+        except APIError as e:
+            if gens is None:
+                gw.metrics.rejected(e.status)
+            else:
+                gw.record(gens, e)
+            await send_error(cid, e)
+        except asyncio.CancelledError:
+            if gens is not None and not finished:
+                gw.metrics.error("cancelled")
+                g = gens[0]
+                await send({"type": "done", "id": cid, "finish_reason": "cancelled", "usage": _ws_usage(g),
+                            "metrics": g.metrics_summary()})
+        except Exception as e:
+            log.exception("websocket chat %s", cid)
+            await send_error(cid, APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
+        finally:
+            if gens is not None:
+                gw.close(gens)
+            if active.get(cid) is asyncio.current_task():
+                del active[cid]
+
+    try:
+        while True:
+            msg = await websocket.receive()
+            if msg["type"] == "websocket.disconnect":
+                break
+            text = msg.get("text")
+            if text is None and msg.get("bytes") is not None:
+                try:
+                    text = msg["bytes"].decode("utf-8")
+                except UnicodeDecodeError:
+                    text = None
+            try:
+                data = json.loads(text) if text is not None else None
+            except ValueError:
+                data = None
+            if not isinstance(data, dict):
+                await send_error(None, bad_request("each frame must be a JSON object", None, "invalid_json"))
+                continue
+            kind = data.get("type")
+            cid = data.get("id")
+            if kind == "ping":
+                await send({"type": "pong"})
+            elif kind == "cancel":
+                task = active.get(cid) if isinstance(cid, str) else None
+                if task is not None:
+                    task.cancel()
+            elif kind == "chat":
+                if not isinstance(cid, str) or not cid:
+                    await send_error(None, bad_request("'id' must be a non-empty string", "id"))
+                elif cid in active:
+                    await send_error(cid, bad_request(f"a generation with id {cid!r} is already running", "id",
+                                                      "duplicate_id"))
+                elif len(active) >= WS_MAX_ACTIVE:
+                    await send_error(cid, APIError(429, f"at most {WS_MAX_ACTIVE} generations per connection",
+                                                   code="too_many_generations", retry_after=1.0))
+                else:
+                    active[cid] = asyncio.create_task(run_chat(cid, data))
+            else:
+                await send_error(cid if isinstance(cid, str) else None,
+                                 bad_request(f"unknown message type {kind!r}", "type", "unknown_type"))
+    except WebSocketDisconnect:
+        pass
+    finally:
+        closed = True
+        tasks = list(active.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _ws_usage(g) -> dict[str, int]:
+    return {"prompt_tokens": g.num_prompt_tokens, "completion_tokens": g.completion_tokens,
+            "total_tokens": g.num_prompt_tokens + g.completion_tokens}
+
+
+# ---------------------------------------------------------------------- the app
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+    err = APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)), code=code)
+    headers = dict(exc.headers or {})
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+
+
+def create_app(config: GatewayConfig | None = None, *, tokenizer: Any = None, gateway_id: str | None = None) -> Starlette:
+    """The ASGI app. Each app has its own Gateway (Redis clients, router, metrics registry)."""
+    config = config or GatewayConfig.from_env()
+    gw = Gateway(config, tokenizer=tokenizer, gateway_id=gateway_id)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model_detail, methods=["GET"]),
+        Route("/v1/status", status, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        WebSocketRoute("/v1/chat/ws", chat_ws),
+        Route("/", index, methods=["GET"]),
+        Mount("/static", app=StaticFiles(directory=STATIC_DIR, check_dir=False), name="static"),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app.state.gw = gw
+    return app
+
+
+# ---------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kaiten gateway", description="Run one OpenAI-compatible gateway.")
+    p.add_argument("--host", default=None, help="bind address (env KAITEN_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (env KAITEN_PORT, default 8000)")
+    p.add_argument("--model", default=None, help="model directory: tokenizer and served name (env KAITEN_MODEL)")
+    p.add_argument("--redis-url", dest="redis_url", default=None, help="Redis URL (env REDIS_URL)")
+    p.add_argument("--tokenizer-url", dest="tokenizer_url", default=None,
+                   help="tokenizer service URL (env TOKENIZER_URL; empty: tokenize in-process)")
+    p.add_argument("--served-model-name", dest="served_model_name", default=None)
+    p.add_argument("--max-queued-requests", dest="max_queued_requests", type=int, default=None)
+    p.add_argument("--max-queued-tokens", dest="max_queued_tokens", type=int, default=None)
+    p.add_argument("--request-timeout", dest="request_timeout", type=float, default=None)
+    p.add_argument("--engine-timeout", dest="engine_timeout", type=float, default=None)
+    p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    cfg = GatewayConfig.from_env()
+    kw = {k: getattr(args, k) for k in ("host", "port", "model", "redis_url", "tokenizer_url", "served_model_name",
+                                         "max_queued_requests", "max_queued_tokens", "request_timeout",
+                                         "engine_timeout")}
+    return cfg.with_overrides(**kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    app = create_app(config)
+    # uvicorn handles SIGTERM/SIGINT while it serves (graceful shutdown), then restores these
+    # handlers and re-raises the signal: a no-op here, so a clean stop exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
+                lifespan="on", timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

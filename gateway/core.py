@@ -1,0 +1,300 @@
+"""The gateway's state: Redis clients, the reply router, the engine monitor, submission and aborts."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from shared import names
+from shared.config import GatewayConfig
+from shared.protocol import Abort, GenerateRequest, encode
+
+from .engines import EngineMonitor
+from .errors import APIError
+from .generation import SubGeneration, SubRequest
+from .metrics import GatewayMetrics
+from .openai_api import ModelContext, ParsedRequest
+from .router import ReplyRouter, RequestStream
+
+log = logging.getLogger("kaiten.gateway")
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def resolve_model_dir(model: str) -> str:
+    if model:
+        return model
+    try:
+        from shared.gguf_convert import ensure_default_model
+    except ImportError as e:
+        raise RuntimeError("no --model given and the default model is not available") from e
+    return str(ensure_default_model())
+
+
+def _model_config(model_dir: str) -> dict[str, Any]:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _make_tokenizer(model_dir: str, url: str):
+    try:
+        from tokenizer_service import make_tokenizer
+    except ImportError:
+        from tokenizer_service.client import make_tokenizer
+    return make_tokenizer(model_dir, url)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: Any = None, gateway_id: str | None = None,
+                 redis_client: Any = None):
+        self.config = config
+        self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:16]}"
+        self.model_dir = resolve_model_dir(config.model) if tokenizer is None or config.model else config.model
+        self.served_model_name = config.served_model_name or (Path(self.model_dir).name if self.model_dir else "model")
+        self.model_names = [self.served_model_name]
+        dir_name = Path(self.model_dir).name if self.model_dir else ""
+        if dir_name and dir_name not in self.model_names:
+            self.model_names.append(dir_name)
+        cfg = _model_config(self.model_dir) if self.model_dir else {}
+        self._cfg_max_len = int(cfg.get("max_position_embeddings") or 0) or None
+        self._cfg_vocab = int(cfg.get("vocab_size") or 0) or None
+        self.metrics = GatewayMetrics(self.served_model_name)
+        self.tokenizer = tokenizer
+        self._own_tokenizer = tokenizer is None
+        self.redis = redis_client
+        self._own_redis = redis_client is None
+        self.sub_redis = None
+        self.monitor: EngineMonitor | None = None
+        self.router: ReplyRouter | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._bg: set[asyncio.Task] = set()
+        self._token_cache: dict[int, str] = {}
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        from shared.redis_conn import async_redis_client
+        if self.tokenizer is None:
+            self.tokenizer = _make_tokenizer(self.model_dir, self.config.tokenizer_url)
+        if hasattr(self.tokenizer, "start"):
+            try:
+                await asyncio.wait_for(self.tokenizer.start(), 10.0)
+            except Exception as e:      # the tokenizer service may come up later
+                log.warning("tokenizer not ready yet: %s: %s", type(e).__name__, e)
+        if self.redis is None:
+            self.redis = async_redis_client(self.config.redis_url, client_name=f"kaiten-gateway-{self.gateway_id}")
+        # A dedicated client for the one pub/sub connection: its reads wait with their own timeout.
+        self.sub_redis = async_redis_client(self.config.redis_url, socket_timeout=None,
+                                            health_check_interval=5, retries=1,
+                                            client_name=f"kaiten-gateway-sub-{self.gateway_id}")
+        self.monitor = EngineMonitor(self.redis, self.config.engine_timeout)
+        self.monitor.on_poll.append(lambda m: self.metrics.update_load(m.load()))
+        self.router = ReplyRouter(self.sub_redis, self.gateway_id, self.monitor, self.config.engine_timeout)
+        self.router.on_abort_needed = self.abort_soon
+        self._tasks = [asyncio.create_task(self.router.run(), name="kaiten-reply-reader"),
+                       asyncio.create_task(self.router.watchdog(), name="kaiten-watchdog"),
+                       asyncio.create_task(self.monitor.run(), name="kaiten-engine-monitor")]
+        # Best effort: be subscribed and know the engines before serving (Redis may be down).
+        await self.router.wait_subscribed(timeout=5.0)
+        try:
+            await asyncio.wait_for(self.monitor.polled.wait(), 2.0)
+        except asyncio.TimeoutError:
+            pass
+        log.info("gateway %s serving %s (reply channel %s)", self.gateway_id, self.served_model_name,
+                 self.router.channel)
+
+    async def stop(self) -> None:
+        if self.router is not None:
+            from .errors import GenerationError
+            self.router.fail_all(lambda: GenerationError(503, "the gateway is shutting down", code="shutdown"))
+        if self._bg:
+            await asyncio.wait(list(self._bg), timeout=2.0)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+        if self.router is not None:
+            await self.router.close()
+        for client, own in ((self.sub_redis, True), (self.redis, self._own_redis)):
+            if client is not None and own:
+                try:
+                    await client.aclose()
+                except Exception:
+                    pass
+        if self._own_tokenizer and self.tokenizer is not None and hasattr(self.tokenizer, "aclose"):
+            try:
+                await self.tokenizer.aclose()
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ model facts
+    def max_model_len(self) -> int:
+        n = self.monitor.max_model_len() if self.monitor else None
+        if n:
+            return n
+        if self._cfg_max_len:
+            return self._cfg_max_len
+        tl = getattr(self.tokenizer, "model_max_length", None)
+        if isinstance(tl, int) and 0 < tl < 10**7:
+            return tl
+        return DEFAULT_MAX_MODEL_LEN
+
+    def vocab_size(self) -> int:
+        v = self.monitor.vocab_size() if self.monitor else None
+        if v:
+            return v
+        if self._cfg_vocab:
+            return self._cfg_vocab
+        return int(getattr(self.tokenizer, "vocab_size", 0) or 0) or 2**31
+
+    def model_context(self) -> ModelContext:
+        return ModelContext(names=self.model_names, max_model_len=self.max_model_len(),
+                            vocab_size=self.vocab_size(), max_n=self.config.max_n, tokenizer=self.tokenizer)
+
+    def status(self) -> dict[str, Any]:
+        load = self.monitor.load()
+        return {"model": self.served_model_name, "engines": load["engines"],
+                "num_requests_running": load["num_running"],
+                "num_requests_waiting": load["num_waiting"] + load["backlog"],
+                "kv_cache_usage": round(load["kv_cache_usage"], 4), "gateway_id": self.gateway_id,
+                "max_model_len": self.max_model_len(),
+                "in_flight": len(self.router.streams)}
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, parsed: ParsedRequest) -> None:
+        """429/503 before anything is queued when the engines' queues (plus the backlog) are full."""
+        mon = self.monitor
+        if not mon.live_engines():
+            raise APIError(503, "no engine is available to serve requests; try again later",
+                           code="no_engine", retry_after=max(1.0, self.config.engine_timeout / 2))
+        load = mon.load()
+        since = mon.backlog.time
+        local = [s for s in self.router.streams.values() if s.first_delta is None and s.submitted > since]
+        n_new = parsed.num_choices
+        new_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
+        waiting = load["num_waiting"] + load["backlog"] + len(local)
+        mean_tokens = new_tokens / max(1, n_new)
+        waiting_tokens = (load["num_waiting_tokens"] + load["backlog"] * mean_tokens
+                          + sum(s.num_prompt_tokens for s in local))
+        if waiting + n_new > self.config.max_queued_requests:
+            raise APIError(429, f"the server is overloaded: {int(waiting)} requests are waiting "
+                                f"(limit {self.config.max_queued_requests}); retry later",
+                           code="overloaded", retry_after=1.0)
+        if waiting_tokens > 0 and waiting_tokens + new_tokens > self.config.max_queued_tokens:
+            raise APIError(429, f"the server is overloaded: {int(waiting_tokens)} prompt tokens are waiting "
+                                f"(limit {self.config.max_queued_tokens}); retry later",
+                           code="overloaded", retry_after=1.0)
+
+    # ------------------------------------------------------------------ submission
+    async def submit(self, parsed: ParsedRequest, request_id: str) -> list[SubGeneration]:
+        """Register every choice with the router, then XADD them (one pipeline)."""
+        if not await self.router.wait_subscribed():
+            raise APIError(503, "the gateway cannot reach Redis (reply channel not subscribed)",
+                           code="redis_unavailable", retry_after=1.0)
+        now_m, now = time.monotonic(), time.time()
+        timeout = self.config.request_timeout
+        gens: list[SubGeneration] = []
+        payloads = []
+        single = parsed.num_choices == 1
+        for pi, ids in enumerate(parsed.prompts):
+            for j in range(parsed.n):
+                index = pi * parsed.n + j
+                rid = request_id if single else f"{request_id}-{index}"
+                sub = SubRequest(index, rid, ids, parsed.sub_params(j), parsed.stop, parsed.prompt_texts[pi])
+                stream = RequestStream(rid, now_m + timeout, num_prompt_tokens=len(ids))
+                gens.append(SubGeneration(self, sub, stream, arrival=now_m))
+                payloads.append(encode(GenerateRequest(rid, self.gateway_id, ids, sub.params, arrival_time=now,
+                                                       deadline=now + timeout)))
+        for g in gens:
+            self.router.register(g.stream)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for data in payloads:
+                pipe.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: data},
+                          maxlen=names.REQUEST_STREAM_MAXLEN, approximate=True)
+            await pipe.execute()
+        except BaseException as e:      # Redis errors, or the caller cancelled (client gone)
+            for g in gens:
+                self.router.unregister(g.sub.request_id)
+            self.abort_soon([g.sub.request_id for g in gens])   # some may have been queued
+            if not isinstance(e, Exception):
+                raise
+            log.warning("XADD failed: %s: %s", type(e).__name__, e)
+            raise APIError(503, f"cannot queue the request: Redis is unavailable ({type(e).__name__})",
+                           code="redis_unavailable", retry_after=1.0) from None
+        self.metrics.in_flight.set(len(self.router.streams))
+        return gens
+
+    def close(self, gens: list[SubGeneration]) -> None:
+        """Done with these generations: forget them; abort those the engine may still be running."""
+        ids = []
+        for g in gens:
+            self.router.unregister(g.sub.request_id)
+            if g.needs_abort:
+                ids.append(g.sub.request_id)
+        if ids:
+            self.abort_soon(ids)
+        self.metrics.in_flight.set(len(self.router.streams))
+
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """XADD aborts in the background (safe to call from a cancelled task's cleanup)."""
+        if not request_ids:
+            return
+        task = asyncio.get_running_loop().create_task(self.abort(request_ids))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for attempt in range(3):
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for rid in request_ids:
+                    pipe.xadd(names.ABORT_STREAM, {names.PAYLOAD_FIELD: encode(Abort(rid, self.gateway_id))},
+                              maxlen=names.ABORT_STREAM_MAXLEN, approximate=True)
+                await pipe.execute()
+                return
+            except Exception as e:
+                if attempt == 2:
+                    log.warning("could not publish %d aborts: %s: %s", len(request_ids), type(e).__name__, e)
+                    return
+                await asyncio.sleep(0.2 * (attempt + 1))
+
+    # ------------------------------------------------------------------ accounting
+    def record(self, gens: list[SubGeneration], error: APIError | None = None) -> None:
+        m = self.metrics
+        prompts_seen = set()
+        for g in gens:
+            key = id(g.sub.prompt_ids)
+            if key not in prompts_seen:
+                prompts_seen.add(key)
+                m.prompt_tokens.inc(g.num_prompt_tokens)
+            if g.finish_reason is not None:
+                m.success(g.finish_reason)
+                m.e2e.observe((g.finished_at or time.monotonic()) - g.arrival)
+        if error is not None:
+            m.error(error.code)
+
+    # ------------------------------------------------------------------ token strings (logprobs)
+    async def token_strings(self, ids: list[int]) -> None:
+        missing = [t for t in dict.fromkeys(ids) if t not in self._token_cache]
+        if missing and len(self._token_cache) > 300_000:
+            self._token_cache.clear()
+            missing = list(dict.fromkeys(ids))
+        for t in missing:
+            try:
+                self._token_cache[t] = await self.tokenizer.decode([t])
+            except Exception:       # a logprob's token text is best effort
+                self._token_cache[t] = ""
+
+    def token_str(self, token_id: int) -> str:
+        return self._token_cache.get(token_id, "")

@@ -1,0 +1,190 @@
+"""Engine liveness and load, from the engines' heartbeat keys and the request stream's backlog.
+
+One poll task per gateway (``EngineMonitor.run``) reads every ``kaiten:engine:*`` key and the
+consumer group's lag. An engine is alive while its heartbeat keeps changing: ``last_alive`` is the
+gateway's clock when a new heartbeat (or a token delta from that engine) was last seen, so clock
+skew between hosts does not matter.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import redis
+
+from shared import names
+
+log = logging.getLogger("kaiten.gateway")
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    engine_id: str
+    heartbeat: dict[str, Any] = field(default_factory=dict)
+    last_alive: float = 0.0          # time.monotonic() of the latest sign of life
+    hb_time: Any = None              # the heartbeat's own "time" field, to see it change
+
+    def get(self, key: str, default: Any = 0) -> Any:
+        v = self.heartbeat.get(key, default)
+        return default if v is None else v
+
+
+@dataclass(slots=True)
+class Backlog:
+    """Entries in the request stream that no engine has read yet."""
+    lag: int = 0
+    group_exists: bool = True
+    time: float = 0.0                # time.monotonic() of the reading
+
+
+class EngineMonitor:
+    def __init__(self, client, engine_timeout: float, poll_interval: float | None = None):
+        self.r = client
+        self.engine_timeout = engine_timeout
+        self.poll_interval = poll_interval if poll_interval is not None else max(0.05, min(0.5, engine_timeout / 4))
+        self.engines: dict[str, EngineInfo] = {}
+        self.backlog = Backlog()
+        self.last_poll_ok: float = 0.0           # monotonic time of the last successful poll
+        self.redis_ok = False
+        self.started = time.monotonic()
+        self.polled = asyncio.Event()            # set after the first successful poll
+        self.on_poll = []                        # callbacks after each successful poll
+
+    # ------------------------------------------------------------------ liveness
+    def touch(self, engine_id: str) -> None:
+        """A token delta from this engine: it is alive now."""
+        info = self.engines.get(engine_id)
+        if info is None:
+            info = self.engines[engine_id] = EngineInfo(engine_id)
+        info.last_alive = time.monotonic()
+
+    def is_alive(self, engine_id: str, now: float | None = None) -> bool:
+        info = self.engines.get(engine_id)
+        if info is None:
+            return False
+        now = time.monotonic() if now is None else now
+        return now - info.last_alive <= self.engine_timeout
+
+    def live_engines(self, now: float | None = None) -> list[EngineInfo]:
+        now = time.monotonic() if now is None else now
+        return [e for e in self.engines.values()
+                if e.heartbeat and now - e.last_alive <= self.engine_timeout]
+
+    def last_any_alive(self) -> float:
+        """Monotonic time of the latest sign of life of any engine (the monitor's start if none)."""
+        return max([e.last_alive for e in self.engines.values()] + [0.0])
+
+    def models(self) -> list[str]:
+        seen: list[str] = []
+        for e in self.live_engines():
+            m = e.heartbeat.get("model")
+            if isinstance(m, str) and m and m not in seen:
+                seen.append(m)
+        return seen
+
+    def max_model_len(self, model: str | None = None) -> int | None:
+        lens = [int(e.get("max_model_len")) for e in self.live_engines()
+                if e.get("max_model_len") and (model is None or e.heartbeat.get("model") in (None, model))]
+        return min(lens) if lens else None
+
+    def vocab_size(self) -> int | None:
+        v = [int(e.get("vocab_size")) for e in self.live_engines() if e.get("vocab_size")]
+        return min(v) if v else None
+
+    def load(self) -> dict[str, float]:
+        live = self.live_engines()
+        return {
+            "engines": len(live),
+            "num_running": sum(int(e.get("num_running")) for e in live),
+            "num_waiting": sum(int(e.get("num_waiting")) for e in live),
+            "num_waiting_tokens": sum(int(e.get("num_waiting_tokens")) for e in live),
+            "kv_cache_usage": (sum(float(e.get("kv_cache_usage", 0.0)) for e in live) / len(live)) if live else 0.0,
+            "prefix_cache_hit_rate": (sum(float(e.get("prefix_cache_hit_rate", 0.0)) for e in live) / len(live))
+            if live else 0.0,
+            "backlog": self.backlog.lag,
+        }
+
+    # ------------------------------------------------------------------ polling
+    async def poll_once(self) -> None:
+        keys = [k async for k in self.r.scan_iter(match=names.HEARTBEAT_PATTERN, count=1000)]
+        values = await self.r.mget(keys) if keys else []
+        now = time.monotonic()
+        prefix = names.heartbeat_key("")
+        for key, raw in zip(keys, values):
+            if raw is None:
+                continue
+            key_s = key.decode() if isinstance(key, bytes) else str(key)
+            try:
+                hb = msgpack.unpackb(raw, raw=False)
+            except Exception:
+                continue
+            if not isinstance(hb, dict):
+                continue
+            engine_id = str(hb.get("engine_id") or key_s[len(prefix):])
+            info = self.engines.get(engine_id)
+            if info is None:
+                info = self.engines[engine_id] = EngineInfo(engine_id)
+            hb_time = hb.get("time")
+            if hb_time is None or hb_time != info.hb_time or not info.heartbeat:
+                info.last_alive = now
+            info.hb_time = hb_time
+            info.heartbeat = hb
+        # Forget engines silent for a long time.
+        for eid in [eid for eid, e in self.engines.items() if now - e.last_alive > max(60.0, 6 * self.engine_timeout)]:
+            del self.engines[eid]
+        await self._poll_backlog(now)
+        self.last_poll_ok = now
+        self.redis_ok = True
+        self.polled.set()
+        for cb in self.on_poll:
+            cb(self)
+
+    async def _poll_backlog(self, now: float) -> None:
+        lag, exists = 0, False
+        try:
+            groups = await self.r.xinfo_groups(names.REQUEST_STREAM)
+        except redis.ResponseError:       # no such key: the stream does not exist (yet)
+            groups = []
+        for g in groups:
+            name = g.get("name")
+            name = name.decode() if isinstance(name, bytes) else name
+            if name != names.ENGINE_GROUP:
+                continue
+            exists = True
+            lag_v = g.get("lag")
+            if lag_v is None:             # Redis cannot tell (entries deleted): estimate
+                added, read = g.get("entries-added"), g.get("entries-read")
+                lag_v = (int(added) - int(read)) if added is not None and read is not None else 0
+            lag = max(0, int(lag_v))
+        if not exists:
+            await self.ensure_group()
+            lag = int(await self.r.xlen(names.REQUEST_STREAM))
+        self.backlog = Backlog(lag=lag, group_exists=True, time=now)
+
+    async def ensure_group(self) -> None:
+        """Create the engines' consumer group at the stream's start, so nothing XADDed before an
+        engine starts (or after Redis restarted empty) is skipped. Idempotent."""
+        try:
+            await self.r.xgroup_create(names.REQUEST_STREAM, names.ENGINE_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def run(self) -> None:
+        backoff = self.poll_interval
+        while True:
+            try:
+                await self.poll_once()
+                backoff = self.poll_interval
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if self.redis_ok:
+                    log.warning("engine monitor: cannot read heartbeats (%s: %s)", type(e).__name__, e)
+                self.redis_ok = False
+                backoff = min(2.0, max(self.poll_interval, backoff * 2))
+            await asyncio.sleep(backoff)

@@ -1,0 +1,291 @@
+"""Streaming and non-streaming OpenAI responses built from the choices' pieces."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from shared.protocol import TokenLogprob
+
+from .errors import APIError, GenerationError
+from .generation import Piece, SubGeneration
+from .openai_api import ParsedRequest
+
+log = logging.getLogger("kaiten.gateway")
+
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {dumps(obj)}\n\n".encode()
+
+
+def _lp(v: float) -> float:
+    """A JSON-safe logprob (no -inf/NaN)."""
+    v = float(v)
+    if math.isnan(v):
+        return -9999.0
+    return max(v, -9999.0)
+
+
+# ---------------------------------------------------------------------- merging choices
+async def merged(gens: list[SubGeneration]) -> AsyncIterator[tuple[SubGeneration, Piece]]:
+    """The pieces of every choice as they come; the first error raises (GenerationError)."""
+    if len(gens) == 1:
+        g = gens[0]
+        async for p in g.pieces():
+            yield g, p
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(g: SubGeneration) -> None:
+        try:
+            async for p in g.pieces():
+                queue.put_nowait((g, p))
+            queue.put_nowait((g, None))
+        except GenerationError as e:
+            queue.put_nowait((g, e))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("choice %s failed", g.sub.request_id)
+            queue.put_nowait((g, GenerationError(500, f"internal error: {type(e).__name__}", code="internal_error")))
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    try:
+        remaining = len(gens)
+        while remaining:
+            g, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield g, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def usage(parsed: ParsedRequest, gens: list[SubGeneration]) -> dict[str, Any]:
+    prompt = sum(len(p) for p in parsed.prompts)
+    completion = sum(g.completion_tokens for g in gens)
+    cached = sum(g.num_cached_tokens for g in gens if g.sub.index % parsed.n == 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# ---------------------------------------------------------------------- logprobs shapes
+class CompletionLogprobs:
+    """Completions API: {tokens, token_logprobs, top_logprobs, text_offset}."""
+
+    def __init__(self, gw, top_n: int, offset: int = 0):
+        self.gw, self.top_n, self.offset = gw, top_n, offset
+
+    def build(self, lps: list[TokenLogprob] | None) -> dict[str, Any]:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps or []:
+            s = self.gw.token_str(lp.token_id)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(_lp(lp.logprob))
+            if self.top_n > 0:
+                top: dict[str, float] = {}
+                for t, v in lp.top[: self.top_n]:
+                    top.setdefault(self.gw.token_str(t), _lp(v))
+                out["top_logprobs"].append(top)
+            else:
+                out["top_logprobs"].append(None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+        return out
+
+
+def chat_logprobs(gw, lps: list[TokenLogprob] | None, top_n: int) -> dict[str, Any]:
+    content = []
+    for lp in lps or []:
+        s = gw.token_str(lp.token_id)
+        content.append({
+            "token": s, "logprob": _lp(lp.logprob), "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [{"token": gw.token_str(t), "logprob": _lp(v),
+                              "bytes": list(gw.token_str(t).encode("utf-8"))} for t, v in lp.top[:top_n]],
+        })
+    return {"content": content, "refusal": None}
+
+
+# ---------------------------------------------------------------------- completions
+async def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
+                         created: int) -> AsyncIterator[bytes]:
+    def chunk(choices: list, **extra) -> bytes:
+        d = {"id": rid, "object": "text_completion", "created": created, "model": parsed.model, "choices": choices}
+        if parsed.include_usage:
+            d["usage"] = None
+        d.update(extra)
+        return sse(d)
+
+    lp_builders = {g.sub.index: CompletionLogprobs(gw, parsed.logprobs or 0) for g in gens}
+    error: APIError | None = None
+    try:
+        if parsed.echo:
+            for g in gens:
+                text = g.sub.prompt_text if g.sub.prompt_text is not None else await gw.tokenizer.decode(g.sub.prompt_ids)
+                yield chunk([{"index": g.sub.index, "text": text, "logprobs": None, "finish_reason": None}])
+        async for g, p in merged(gens):
+            if not p.text and p.finish_reason is None and not p.logprobs:
+                continue
+            lp = lp_builders[p.index].build(p.logprobs) if parsed.logprobs is not None else None
+            yield chunk([{"index": p.index, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason}])
+        if parsed.include_usage:
+            yield chunk([], usage=usage(parsed, gens))
+    except APIError as e:
+        error = e
+        yield sse(e.body())
+    except asyncio.CancelledError:
+        gw.metrics.error("client_disconnected")
+        raise
+    except Exception as e:              # a bug: still end the stream with an error, not a cut
+        log.exception("stream %s failed", rid)
+        error = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
+        yield sse(error.body())
+    gw.record(gens, error)
+    yield DONE
+
+
+def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: dict[int, list[Piece]],
+                        rid: str, created: int, prompt_texts: dict[int, str]) -> dict[str, Any]:
+    choices = []
+    for g in sorted(gens, key=lambda g: g.sub.index):
+        ps = pieces.get(g.sub.index, [])
+        text = "".join(p.text for p in ps)
+        prefix = prompt_texts.get(g.sub.index, "") if parsed.echo else ""
+        lp = None
+        if parsed.logprobs is not None:
+            lps = [x for p in ps for x in (p.logprobs or [])]
+            lp = CompletionLogprobs(gw, parsed.logprobs, len(prefix)).build(lps)
+        choices.append({"index": g.sub.index, "text": prefix + text, "logprobs": lp,
+                        "finish_reason": g.finish_reason})
+    return {"id": rid, "object": "text_completion", "created": created, "model": parsed.model,
+            "choices": choices, "usage": usage(parsed, gens)}
+
+
+# ---------------------------------------------------------------------- chat
+async def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
+                   created: int) -> AsyncIterator[bytes]:
+    def chunk(choices: list, **extra) -> bytes:
+        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": parsed.model,
+             "choices": choices}
+        if parsed.include_usage:
+            d["usage"] = None
+        d.update(extra)
+        return sse(d)
+
+    want_lp = parsed.logprobs is not None
+    error: APIError | None = None
+    try:
+        for g in gens:
+            yield chunk([{"index": g.sub.index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        async for g, p in merged(gens):
+            lp = chat_logprobs(gw, p.logprobs, parsed.logprobs or 0) if want_lp and p.logprobs else None
+            if p.text or lp is not None:
+                yield chunk([{"index": p.index, "delta": {"content": p.text}, "logprobs": lp,
+                              "finish_reason": None}])
+            if p.finish_reason is not None:
+                yield chunk([{"index": p.index, "delta": {}, "logprobs": None, "finish_reason": p.finish_reason}])
+        if parsed.include_usage:
+            yield chunk([], usage=usage(parsed, gens))
+    except APIError as e:
+        error = e
+        yield sse(e.body())
+    except asyncio.CancelledError:
+        gw.metrics.error("client_disconnected")
+        raise
+    except Exception as e:              # a bug: still end the stream with an error, not a cut
+        log.exception("stream %s failed", rid)
+        error = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
+        yield sse(error.body())
+    gw.record(gens, error)
+    yield DONE
+
+
+def chat_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: dict[int, list[Piece]],
+                  rid: str, created: int) -> dict[str, Any]:
+    choices = []
+    for g in sorted(gens, key=lambda g: g.sub.index):
+        ps = pieces.get(g.sub.index, [])
+        lp = None
+        if parsed.logprobs is not None:
+            lp = chat_logprobs(gw, [x for p in ps for x in (p.logprobs or [])], parsed.logprobs)
+        choices.append({"index": g.sub.index,
+                        "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
+                        "logprobs": lp, "finish_reason": g.finish_reason})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": parsed.model,
+            "choices": choices, "usage": usage(parsed, gens)}
+
+
+async def collect(gens: list[SubGeneration]) -> dict[int, list[Piece]]:
+    pieces: dict[int, list[Piece]] = {g.sub.index: [] for g in gens}
+    async for g, p in merged(gens):
+        pieces[g.sub.index].append(p)
+    return pieces
+
+
+# ---------------------------------------------------------------------- the SSE response
+class SSEResponse:
+    """Streams an async iterator of SSE frames; a client disconnect cancels it at once.
+
+    ``on_close`` always runs at the end (normal end, error or disconnect): the gateway aborts the
+    engine requests that may still run.
+    """
+
+    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None] | None]):
+        self.frames = frames
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+
+        async def wait_disconnect() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        listener = asyncio.create_task(wait_disconnect())
+        disconnected = False
+        try:
+            while True:
+                nxt = asyncio.ensure_future(self.frames.__anext__())
+                done, _ = await asyncio.wait({nxt, listener}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:
+                    disconnected = True
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+                    break
+                try:
+                    frame = nxt.result()
+                except StopAsyncIteration:
+                    break
+                try:
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                except OSError:
+                    disconnected = True
+                    break
+            if not disconnected:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            listener.cancel()
+            try:
+                await self.frames.aclose()
+            except BaseException:
+                pass
+            r = self.on_close()
+            if asyncio.iscoroutine(r):
+                await r

@@ -1,0 +1,248 @@
+"""Routing token deltas from the engines to the requests waiting for them.
+
+ONE pub/sub connection per gateway, subscribed to ``names.reply_channel(gateway_id)`` before the
+first request is XADDed. A single reader task decodes every ``TokenBatch`` and puts each delta on
+its request's queue. Per request it checks the ``seq`` numbers (a repeat is dropped: the engine
+re-sends messages it is not sure went out; a gap ends the request with an error).
+
+redis-py reconnects a broken pub/sub connection and re-subscribes by itself. Messages published
+meanwhile are lost, so when the subscribe confirmation arrives again (or the connection errors),
+every request in flight at that moment is failed with an error instead of waiting forever. A
+watchdog fails requests whose engine stopped heartbeating, requests waiting while no engine is
+alive, and requests past their deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from shared import names
+from shared.protocol import Delta, ProtocolError, TokenBatch, decode
+
+from .engines import EngineMonitor
+from .errors import GenerationError
+
+log = logging.getLogger("kaiten.gateway")
+
+
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    """One engine request as the gateway sees it: a queue of deltas (or one error)."""
+    request_id: str
+    deadline: float                      # time.monotonic()
+    num_prompt_tokens: int = 0
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    next_seq: int = 0
+    engine_id: str | None = None
+    submitted: float = field(default_factory=time.monotonic)
+    first_delta: float | None = None
+    done: bool = False                   # terminal delta or error delivered
+    on_first_delta: Callable[["RequestStream"], None] | None = None
+
+
+class ReplyRouter:
+    def __init__(self, client, gateway_id: str, monitor: EngineMonitor, engine_timeout: float,
+                 subscribe_timeout: float = 5.0):
+        self.r = client
+        self.gateway_id = gateway_id
+        self.channel = names.reply_channel(gateway_id)
+        self.monitor = monitor
+        self.engine_timeout = engine_timeout
+        self.subscribe_timeout = subscribe_timeout
+        self.streams: dict[str, RequestStream] = {}
+        self.subscribed = asyncio.Event()
+        self.pubsub = None
+        self.counters = {"messages": 0, "deltas": 0, "bad_messages": 0, "unknown_request": 0, "duplicates": 0,
+                         "gaps": 0, "resubscribed": 0, "connection_errors": 0, "engine_lost": 0, "timeouts": 0,
+                         "foreign_engine": 0}
+        self._confirmations = 0
+        self.on_abort_needed: Callable[[list[str]], None] | None = None   # set by the gateway
+
+    # ------------------------------------------------------------------ registry
+    def register(self, stream: RequestStream) -> None:
+        self.streams[stream.request_id] = stream
+
+    def unregister(self, request_id: str) -> None:
+        s = self.streams.pop(request_id, None)
+        if s is not None:
+            s.done = True
+
+    def fail(self, stream: RequestStream, error: GenerationError, abort: bool = True) -> None:
+        if stream.done:
+            return
+        stream.done = True
+        self.streams.pop(stream.request_id, None)
+        stream.queue.put_nowait(error)
+        if abort and self.on_abort_needed is not None:
+            self.on_abort_needed([stream.request_id])
+
+    def fail_all(self, error_factory: Callable[[], GenerationError]) -> int:
+        streams = list(self.streams.values())
+        for s in streams:
+            self.fail(s, error_factory(), abort=False)
+        if streams and self.on_abort_needed is not None:
+            self.on_abort_needed([s.request_id for s in streams])
+        return len(streams)
+
+    # ------------------------------------------------------------------ subscription
+    async def wait_subscribed(self, timeout: float | None = None) -> bool:
+        if self.subscribed.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self.subscribed.wait(), self.subscribe_timeout if timeout is None else timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def _open(self) -> None:
+        if self.pubsub is not None:
+            try:
+                await self.pubsub.aclose()
+            except Exception:
+                pass
+        self.pubsub = self.r.pubsub()
+        self._confirmations = 0
+        await self.pubsub.subscribe(self.channel)
+
+    def _connection_lost(self, why: str) -> None:
+        was = self.subscribed.is_set()
+        self.subscribed.clear()
+        n = self.fail_all(lambda: GenerationError(
+            503, f"the gateway lost its reply channel ({why}); tokens may have been lost",
+            code="reply_channel_lost"))
+        if was or n:
+            log.warning("reply channel %s: %s; failed %d in-flight requests", self.channel, why, n)
+
+    async def run(self) -> None:
+        """The reader task: (re)subscribe, then route messages until cancelled."""
+        backoff = 0.05
+        while True:
+            try:
+                if self.pubsub is None:
+                    await self._open()
+                while True:
+                    msg = await self.pubsub.get_message(timeout=1.0)
+                    if msg is None:
+                        continue
+                    backoff = 0.05
+                    kind = msg.get("type")
+                    if kind == "message":
+                        self._on_message(msg.get("data"))
+                    elif kind == "subscribe":
+                        self._confirmations += 1
+                        if self._confirmations > 1:
+                            # redis-py reconnected and re-subscribed on its own: messages published
+                            # while we were away are gone.
+                            self.counters["resubscribed"] += 1
+                            self._connection_lost("the subscription was re-established")
+                        self.subscribed.set()
+                    elif kind == "unsubscribe":
+                        self._connection_lost("unsubscribed")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.counters["connection_errors"] += 1
+                self._connection_lost(f"{type(e).__name__}: {e}")
+                if self.pubsub is not None:
+                    try:
+                        await self.pubsub.aclose()
+                    except Exception:
+                        pass
+                    self.pubsub = None
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+
+    async def close(self) -> None:
+        if self.pubsub is not None:
+            try:
+                await self.pubsub.aclose()
+            except Exception:
+                pass
+            self.pubsub = None
+
+    # ------------------------------------------------------------------ routing
+    def _on_message(self, data: Any) -> None:
+        self.counters["messages"] += 1
+        try:
+            msg = decode(data)
+            if not isinstance(msg, TokenBatch):
+                raise ProtocolError(f"expected a tokens message, got {msg.T!r}")
+        except ProtocolError as e:
+            self.counters["bad_messages"] += 1
+            log.warning("dropping a malformed message on %s: %s", self.channel, e)
+            return
+        engine_id = msg.engine_id if isinstance(msg.engine_id, str) else str(msg.engine_id)
+        if engine_id:
+            self.monitor.touch(engine_id)
+        for delta in msg.deltas:
+            self._route(engine_id, delta)
+
+    def _route(self, engine_id: str, d: Delta) -> None:
+        self.counters["deltas"] += 1
+        s = self.streams.get(d.request_id) if isinstance(d.request_id, str) else None
+        if s is None or s.done:
+            self.counters["unknown_request"] += 1
+            return
+        if not isinstance(d.seq, int) or not isinstance(d.token_ids, list):
+            self.counters["bad_messages"] += 1
+            self.fail(s, GenerationError(502, "malformed token delta from the engine", code="bad_delta"))
+            return
+        if s.engine_id is None:
+            s.engine_id = engine_id
+        elif engine_id and engine_id != s.engine_id:
+            # Another engine took the request over (a janitor claim): the first engine's replies
+            # are the ones in flight; the watchdog fails the request if that engine is lost.
+            self.counters["foreign_engine"] += 1
+            return
+        if d.seq < s.next_seq:
+            self.counters["duplicates"] += 1          # a re-sent message: seen already
+            return
+        if d.seq > s.next_seq:
+            self.counters["gaps"] += 1
+            self.fail(s, GenerationError(
+                502, f"token stream gap: expected delta {s.next_seq}, got {d.seq}; tokens were lost",
+                code="stream_gap"))
+            return
+        s.next_seq += 1
+        if s.first_delta is None:
+            s.first_delta = time.monotonic()
+            if s.on_first_delta is not None:
+                s.on_first_delta(s)
+        if d.finish_reason is not None:
+            s.done = True
+            self.streams.pop(s.request_id, None)
+        s.queue.put_nowait(d)
+
+    # ------------------------------------------------------------------ watchdog
+    def check(self, now: float | None = None) -> None:
+        """Fail requests past their deadline or whose engine is lost. Called periodically."""
+        now = time.monotonic() if now is None else now
+        no_engine_since = None
+        if not self.monitor.live_engines(now):
+            no_engine_since = max(self.monitor.last_any_alive(), self.monitor.started)
+        for s in list(self.streams.values()):
+            if now > s.deadline:
+                self.counters["timeouts"] += 1
+                self.fail(s, GenerationError(504, "the request did not finish before its deadline",
+                                             code="timeout"))
+            elif s.engine_id is not None:
+                if not self.monitor.is_alive(s.engine_id, now):
+                    self.counters["engine_lost"] += 1
+                    self.fail(s, GenerationError(
+                        503, f"engine {s.engine_id} stopped responding while serving this request",
+                        code="engine_lost"))
+            elif no_engine_since is not None and now - max(no_engine_since, s.submitted) > self.engine_timeout:
+                self.counters["engine_lost"] += 1
+                self.fail(s, GenerationError(503, "no engine is alive to serve this request",
+                                             code="engine_lost"))
+
+    async def watchdog(self, interval: float = 0.2) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.check()
+            except Exception:
+                log.exception("watchdog")
