@@ -1,0 +1,346 @@
+"""One async tokenizer interface for the gateway: in-process by default, over HTTP when given a URL.
+
+    t = make_tokenizer(model_dir)                        # in-process (wraps ChatTokenizer)
+    t = make_tokenizer(model_dir, "http://127.0.0.1:8001")  # the tokenizer service
+
+Errors: ValueError for bad input (the service's 400s become ValueError too), TokenizerUnavailable
+when the service cannot be reached, times out or fails.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+from typing import Any, Sequence
+
+import httpx
+
+from .tokenizer import ChatTokenizer, IncrementalDetokenizer, PROMPT_CONTEXT_TOKENS, validate_messages
+
+# Above this much text (characters) or this many ids, in-process work runs on a worker thread so
+# the event loop keeps serving other requests.
+OFFLOAD_CHARS = 8192
+OFFLOAD_IDS = 8192
+
+
+class TokenizerUnavailable(RuntimeError):
+    """The tokenizer service cannot be reached, timed out, or failed (not the caller's fault)."""
+
+
+class AsyncDetokenizer(abc.ABC):
+    """Incremental detokenizer for one generated sequence (see IncrementalDetokenizer)."""
+
+    @abc.abstractmethod
+    async def add(self, token_ids: list[int]) -> str: ...
+
+    @abc.abstractmethod
+    async def finish(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def text(self) -> str: ...
+
+
+class AsyncTokenizer(abc.ABC):
+    """What the gateway uses. eos_token_id, vocab_size and model_max_length are ints."""
+
+    eos_token_id: int
+    vocab_size: int
+    model_max_length: int
+
+    @abc.abstractmethod
+    async def encode(self, text: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+
+    @abc.abstractmethod
+    async def chat_prompt(self, messages: list[dict],
+                          add_generation_prompt: bool = True) -> tuple[str, list[int]]: ...
+
+    @abc.abstractmethod
+    async def decode(self, ids: list[int]) -> str: ...
+
+    @abc.abstractmethod
+    def detokenizer(self, prompt_ids: Sequence[int] | None = None) -> AsyncDetokenizer: ...
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return (await self.chat_prompt(messages, add_generation_prompt))[0]
+
+    async def start(self) -> None:
+        """Optional: get ready (the remote tokenizer fetches /info) without blocking the loop."""
+
+    async def aclose(self) -> None:
+        pass
+
+    async def __aenter__(self) -> "AsyncTokenizer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+# ---------------------------------------------------------------------- in-process
+class _LocalDetokenizer(AsyncDetokenizer):
+    def __init__(self, det: IncrementalDetokenizer):
+        self._det = det
+
+    async def add(self, token_ids: list[int]) -> str:
+        return self._det.add(token_ids)
+
+    async def finish(self) -> str:
+        return self._det.finish()
+
+    @property
+    def text(self) -> str:
+        return self._det.text
+
+
+class LocalAsyncTokenizer(AsyncTokenizer):
+    def __init__(self, tokenizer: ChatTokenizer):
+        self.tokenizer = tokenizer
+
+    @property
+    def eos_token_id(self) -> int:  # type: ignore[override]
+        return self.tokenizer.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:  # type: ignore[override]
+        return self.tokenizer.vocab_size
+
+    @property
+    def model_max_length(self) -> int:  # type: ignore[override]
+        return self.tokenizer.model_max_length
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return self.tokenizer.special_token_ids
+
+    async def encode(self, text: str) -> list[int]:
+        if isinstance(text, str) and len(text) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text)
+        return self.tokenizer.encode(text)
+
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        msgs = validate_messages(messages)
+        if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.tokenizer.chat_prompt, msgs, add_generation_prompt)
+        return self.tokenizer.chat_prompt(msgs, add_generation_prompt)
+
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return (await self.chat_prompt(messages, add_generation_prompt))[1]
+
+    async def decode(self, ids: list[int]) -> str:
+        if len(ids) > OFFLOAD_IDS:
+            return await asyncio.to_thread(self.tokenizer.decode, ids)
+        return self.tokenizer.decode(ids)
+
+    def detokenizer(self, prompt_ids: Sequence[int] | None = None) -> AsyncDetokenizer:
+        return _LocalDetokenizer(self.tokenizer.detokenizer(prompt_ids))
+
+
+# ---------------------------------------------------------------------- over HTTP
+def default_timeout() -> httpx.Timeout:
+    return httpx.Timeout(connect=2.0, read=30.0, write=30.0, pool=10.0)
+
+
+class _RemoteDetokenizer(AsyncDetokenizer):
+    """Keeps the token window and offsets; each add() is one stateless POST /detokenize."""
+
+    def __init__(self, remote: "RemoteAsyncTokenizer", prompt_ids: Sequence[int] | None):
+        self._remote = remote
+        self._ids: list[int] = []
+        if prompt_ids:
+            skip = remote._skip_ids()
+            tail = [i for i in prompt_ids[-4 * PROMPT_CONTEXT_TOKENS:] if i not in skip]
+            self._ids = tail[-PROMPT_CONTEXT_TOKENS:]
+        self._read = len(self._ids)   # the window always starts at 0 (prefix_offset)
+        self._pieces: list[str] = []
+        self._finished = False
+        self._pending = False
+
+    async def _post(self, final: bool) -> str:
+        body = {"token_ids": self._ids, "prefix_offset": 0, "read_offset": self._read}
+        if final:
+            body["finish"] = True
+        data = await self._remote._request("POST", "/detokenize", body)
+        try:
+            text, prefix, read = data["text"], int(data["prefix_offset"]), int(data["read_offset"])
+        except (KeyError, TypeError, ValueError):
+            raise TokenizerUnavailable("the tokenizer service sent a malformed /detokenize answer") from None
+        if not 0 <= prefix <= read <= len(self._ids):
+            raise TokenizerUnavailable("the tokenizer service sent offsets out of range")
+        del self._ids[:prefix]
+        self._read = read - prefix
+        self._pending = bool(data.get("pending", True))
+        if text:
+            self._pieces.append(text)
+        return text
+
+    async def add(self, token_ids: list[int]) -> str:
+        if self._finished:
+            raise RuntimeError("add() after finish()")
+        skip = self._remote._skip_ids()
+        new = [i for i in token_ids if i not in skip]
+        if not new:
+            return ""
+        self._ids.extend(new)
+        return await self._post(False)
+
+    async def finish(self) -> str:
+        if self._finished:
+            return ""
+        self._finished = True
+        if self._read >= len(self._ids) and not self._pending:
+            return ""
+        return await self._post(True)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+
+class RemoteAsyncTokenizer(AsyncTokenizer):
+    """The tokenizer service over HTTP (httpx.AsyncClient with explicit timeouts).
+
+    eos_token_id, vocab_size and model_max_length come from GET /info, fetched once: by start(),
+    by the first request, or (blocking, once) by the first attribute read before either.
+    """
+
+    def __init__(self, url: str, timeout: httpx.Timeout | None = None, transport: Any = None):
+        if not url:
+            raise ValueError("the tokenizer service URL is empty")
+        self.url = url.rstrip("/")
+        self._timeout = timeout or default_timeout()
+        self._client = httpx.AsyncClient(
+            base_url=self.url, timeout=self._timeout,
+            transport=transport or httpx.AsyncHTTPTransport(retries=1),   # retries failed connects only
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            trust_env=False,   # an internal service: never through HTTP(S)_PROXY
+        )
+        self._info: dict[str, Any] | None = None
+        self._skip: frozenset[int] = frozenset()
+
+    # ---- /info
+    def _set_info(self, info: Any) -> dict[str, Any]:
+        try:
+            info = dict(info)
+            for k in ("eos_token_id", "vocab_size", "model_max_length"):
+                info[k] = int(info[k])
+            self._skip = frozenset(int(i) for i in info.get("special_token_ids") or ())
+        except (KeyError, TypeError, ValueError):
+            raise TokenizerUnavailable("the tokenizer service sent a malformed /info answer") from None
+        self._info = info
+        return info
+
+    async def info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._set_info(await self._request("GET", "/info"))
+        return self._info  # type: ignore[return-value]
+
+    async def start(self) -> None:
+        await self.info()
+
+    def _info_sync(self) -> dict[str, Any]:
+        if self._info is None:
+            try:
+                r = httpx.get(self.url + "/info", timeout=httpx.Timeout(5.0, connect=2.0), trust_env=False)
+                r.raise_for_status()
+                self._set_info(r.json())
+            except (httpx.HTTPError, ValueError) as e:
+                raise TokenizerUnavailable(f"tokenizer service at {self.url} is unavailable: {e}") from None
+        return self._info  # type: ignore[return-value]
+
+    @property
+    def eos_token_id(self) -> int:  # type: ignore[override]
+        return self._info_sync()["eos_token_id"]
+
+    @property
+    def vocab_size(self) -> int:  # type: ignore[override]
+        return self._info_sync()["vocab_size"]
+
+    @property
+    def model_max_length(self) -> int:  # type: ignore[override]
+        return self._info_sync()["model_max_length"]
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        self._info_sync()
+        return self._skip
+
+    def _skip_ids(self) -> frozenset[int]:
+        # Special ids are filtered client-side only when known; the service skips them anyway.
+        return self._skip
+
+    # ---- requests
+    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            r = await self._client.request(method, path, json=body)
+        except httpx.TransportError as e:
+            raise TokenizerUnavailable(f"tokenizer service at {self.url} is unavailable: "
+                                       f"{type(e).__name__}: {e}") from None
+        if r.status_code in (400, 413, 422):
+            raise ValueError(_error_message(r))
+        if r.status_code != 200:
+            raise TokenizerUnavailable(f"tokenizer service at {self.url} answered {r.status_code}: {_error_message(r)}")
+        try:
+            return r.json()
+        except ValueError:
+            raise TokenizerUnavailable(f"tokenizer service at {self.url} sent invalid JSON") from None
+
+    async def _ready(self) -> None:
+        if self._info is None:
+            await self.info()
+
+    async def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        await self._ready()
+        return list((await self._request("POST", "/tokenize", {"text": text}))["token_ids"])
+
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        msgs = validate_messages(messages)
+        if not isinstance(add_generation_prompt, bool):
+            raise ValueError("add_generation_prompt must be a boolean")
+        await self._ready()
+        data = await self._request("POST", "/chat/template",
+                                   {"messages": msgs, "add_generation_prompt": add_generation_prompt})
+        return data["prompt"], list(data["token_ids"])
+
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return (await self.chat_prompt(messages, add_generation_prompt))[1]
+
+    async def decode(self, ids: list[int]) -> str:
+        await self._ready()
+        return (await self._request("POST", "/detokenize", {"token_ids": list(ids)}))["text"]
+
+    def detokenizer(self, prompt_ids: Sequence[int] | None = None) -> AsyncDetokenizer:
+        return _RemoteDetokenizer(self, prompt_ids)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        err = r.json().get("error") or {}
+        msg = err.get("message") if isinstance(err, dict) else str(err)
+        if msg:
+            return str(msg)
+    except (ValueError, AttributeError):
+        pass
+    return (r.text or r.reason_phrase or str(r.status_code))[:500]
+
+
+def make_tokenizer(model_dir: str, url: str = "") -> AsyncTokenizer:
+    """The gateway's tokenizer: in-process from `model_dir` when `url` is "", else the service at `url`.
+
+    `model_dir` "" means the default model (shared.gguf_convert.ensure_default_model()). The remote
+    tokenizer does not connect here; it fetches /info on first use.
+    """
+    if url:
+        return RemoteAsyncTokenizer(url)
+    if not model_dir:
+        from shared.gguf_convert import ensure_default_model
+        model_dir = str(ensure_default_model())
+    return LocalAsyncTokenizer(ChatTokenizer.from_pretrained(model_dir))

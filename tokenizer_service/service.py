@@ -1,0 +1,211 @@
+"""The tokenizer service: a small Starlette app over ChatTokenizer.
+
+    kaiten tokenizer [--host H] [--port P] [--model DIR]
+
+Endpoints (JSON in, JSON out; errors in the OpenAI shape {"error": {"message", "type", "param", "code"}}):
+
+    GET  /health            {"status": "ok"}
+    GET  /info              {"model", "eos_token_id", "bos_token_id", "vocab_size", "model_max_length",
+                             "special_token_ids"}
+    POST /tokenize          {"text"} -> {"token_ids"}
+    POST /detokenize        {"token_ids"} -> {"text"}                                 (whole sequence)
+                            {"token_ids", "prefix_offset", "read_offset"[, "finish"]}
+                              -> {"text", "prefix_offset", "read_offset", "pending"}   (incremental,
+                              stateless: see ChatTokenizer.detokenize_step; "finish": true flushes
+                              held text; "pending": whether text is held back)
+    POST /chat/template     {"messages"[, "add_generation_prompt" (default true)]} -> {"prompt", "token_ids"}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .tokenizer import ChatTokenizer, validate_messages, validate_token_ids
+
+log = logging.getLogger("kaiten.tokenizer")
+
+MAX_BODY_BYTES = 64 * 2**20
+# Work above this size runs on a worker thread so /health and small requests stay responsive.
+OFFLOAD_CHARS = 8192
+OFFLOAD_IDS = 8192
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise BadRequest(f"request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large", status=413)
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise BadRequest(f"request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large", status=413)
+    try:
+        data = json.loads(body)
+    except ValueError as e:   # JSONDecodeError and UnicodeDecodeError
+        raise BadRequest(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+_REQUIRED = object()
+
+
+def _field(data: dict, name: str, types: type, type_name: str, default: Any = _REQUIRED) -> Any:
+    """data[name] checked against `types` (bools are not integers); missing/null -> default or 400."""
+    value = data.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise BadRequest(f"'{name}' is required", param=name, code="missing_field")
+        return default
+    if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
+        raise BadRequest(f"'{name}' must be {type_name}, got {type(value).__name__}", param=name,
+                         code="invalid_type")
+    return value
+
+
+def _ids(data: dict, name: str = "token_ids") -> list[int]:
+    value = _field(data, name, list, "a list of integers")
+    try:
+        return validate_token_ids(value, name)
+    except ValueError as e:
+        raise BadRequest(str(e), param=name, code="invalid_type") from None
+
+
+def create_app(tokenizer: ChatTokenizer, model_name: str | None = None) -> Starlette:
+    """The service's ASGI app around an already-loaded tokenizer."""
+    tok = tokenizer
+    name = model_name or (Path(tok.model_dir).name if tok.model_dir else "model")
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def info(request: Request) -> JSONResponse:
+        return JSONResponse({
+            "model": name, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+            "vocab_size": tok.vocab_size, "model_max_length": tok.model_max_length,
+            "special_token_ids": sorted(tok.special_token_ids | tok._skip_ids),
+        })
+
+    async def tokenize(request: Request) -> JSONResponse:
+        data = await _json_object(request)
+        text = _field(data, "text", str, "a string")
+        if len(text) > OFFLOAD_CHARS:
+            ids = await run_in_threadpool(tok.encode, text)
+        else:
+            ids = tok.encode(text)
+        return JSONResponse({"token_ids": ids})
+
+    async def detokenize(request: Request) -> JSONResponse:
+        data = await _json_object(request)
+        ids = _ids(data)
+        if "prefix_offset" not in data and "read_offset" not in data:
+            text = await run_in_threadpool(tok.decode, ids) if len(ids) > OFFLOAD_IDS else tok.decode(ids)
+            return JSONResponse({"text": text})
+        prefix = _field(data, "prefix_offset", int, "an integer", default=0)
+        read = _field(data, "read_offset", int, "an integer", default=0)
+        final = _field(data, "finish", bool, "a boolean", default=False)
+        try:
+            text, prefix, read = tok.detokenize_step(ids, prefix, read, final)
+        except ValueError as e:
+            raise BadRequest(str(e), param="read_offset" if "offset" in str(e) else "token_ids") from None
+        pending = not final and tok._pending(ids, prefix, read)
+        return JSONResponse({"text": text, "prefix_offset": prefix, "read_offset": read, "pending": pending})
+
+    async def chat_template(request: Request) -> JSONResponse:
+        data = await _json_object(request)
+        if "messages" not in data:
+            raise BadRequest("'messages' is required", param="messages", code="missing_field")
+        agp = _field(data, "add_generation_prompt", bool, "a boolean", default=True)
+        try:
+            msgs = validate_messages(data["messages"])
+        except ValueError as e:
+            raise BadRequest(str(e), param="messages") from None
+        try:
+            if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS:
+                prompt, ids = await run_in_threadpool(tok.chat_prompt, msgs, agp)
+            else:
+                prompt, ids = tok.chat_prompt(msgs, agp)
+        except ValueError as e:
+            raise BadRequest(str(e), param="messages") from None
+        return JSONResponse({"prompt": prompt, "token_ids": ids})
+
+    async def on_bad_request(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, BadRequest)
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+
+    async def on_value_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), type_=kind)
+
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/info", info, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/chat/template", chat_template, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={
+        BadRequest: on_bad_request, ValueError: on_value_error, HTTPException: on_http_error, Exception: on_error,
+    })
+
+
+def load_app(model_dir: str = "") -> Starlette:
+    """Load the tokenizer from `model_dir` ("" -> the default model) and build the app."""
+    if not model_dir:
+        from shared.gguf_convert import ensure_default_model
+        model_dir = str(ensure_default_model())
+    return create_app(ChatTokenizer.from_pretrained(model_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shared.config import TokenizerServiceConfig
+
+    p = argparse.ArgumentParser(prog="kaiten tokenizer", description="Run the tokenizer service.")
+    p.add_argument("--host", default=None, help="bind address (env KAITEN_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (env KAITEN_PORT; default 8001)")
+    p.add_argument("--model", default=None, help="model directory (env KAITEN_MODEL; default: SmolLM2)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    args = p.parse_args(argv)
+    cfg = TokenizerServiceConfig.from_env().with_overrides(host=args.host, port=args.port, model=args.model)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    app = load_app(cfg.model)
+    log.info("tokenizer service on http://%s:%d", cfg.host, cfg.port)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
