@@ -1,0 +1,179 @@
+"""Offline throughput: HF one-at-a-time (a), HF static batches of 16 (b), and Kaiten (c).
+
+One workload, one run: 64 requests, prompts uniform in 32..512 tokens, outputs uniform in 16..256
+tokens with ignore_eos, on SmolLM2-135M-Instruct in bf16 and fp32. Writes
+bench/results/engine_throughput.{md,json} and a torch.profiler table of Kaiten's step.
+
+    .venv/bin/python bench/engine_throughput.py [--dtypes bfloat16,float32] [--num-requests 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_worker import LLM, SamplingParams  # noqa: E402
+from engine_worker.model_runner import resolve_dtype  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
+            for _ in range(n)]
+
+
+def hf_model(model_dir: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def run_hf_single(model, reqs) -> dict:
+    start = time.perf_counter()
+    tokens = 0
+    for prompt, out_len in reqs:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                             min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        tokens += out.shape[1] - len(prompt)
+    return {"wall_s": time.perf_counter() - start, "output_tokens": tokens}
+
+
+@torch.inference_mode()
+def run_hf_static(model, reqs, batch_size: int = 16) -> dict:
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(reqs), batch_size):
+        chunk = reqs[i:i + batch_size]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])          # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        steps = max(n for _, n in chunk)
+        model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                       do_sample=False, pad_token_id=0)
+        tokens += sum(n for _, n in chunk)       # only the tokens each request asked for count
+    return {"wall_s": time.perf_counter() - start, "output_tokens": tokens}
+
+
+def run_kaiten(llm: LLM, reqs) -> dict:
+    engine = llm.engine
+    bs = engine.block_manager.block_size
+    start = time.perf_counter()
+    ids = [llm.submit(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p, n in reqs]
+    remaining, tokens, steps = set(ids), 0, 0
+    peak = {"allocated_slots": 0, "used_slots": 0}
+    while remaining:
+        for out in llm.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                remaining.discard(out.request_id)
+        steps += 1
+        running = engine.scheduler.running
+        allocated = sum(len(s.block_table) for s in running) * bs
+        if allocated > peak["allocated_slots"]:
+            peak = {"allocated_slots": allocated, "used_slots": sum(s.num_computed_tokens for s in running)}
+    wall = time.perf_counter() - start
+    waste = (peak["allocated_slots"] - peak["used_slots"]) / max(peak["allocated_slots"], 1)
+    return {"wall_s": wall, "output_tokens": tokens, "steps": steps, "kv_waste_at_peak": waste,
+            "peak_allocated_slots": peak["allocated_slots"], "preemptions": engine.scheduler.num_preemptions}
+
+
+def profile_kaiten(llm: LLM, reqs, top: int = 15) -> str:
+    """Profile decode-heavy steps: all requests admitted, then 10 steps under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = [llm.submit(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p, n in reqs]
+    while llm.engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                              for s in llm.engine.scheduler.running):
+        llm.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            llm.step()
+    for rid in ids:
+        llm.engine.abort_request(rid)
+    llm.step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--hf-single-requests", type=int, default=0,
+                    help="run (a), the slowest baseline, on only the first N requests (0: all); "
+                         "tokens/s is a rate, so it stays comparable")
+    args = ap.parse_args()
+    if not args.model:
+        from shared.gguf_convert import ensure_default_model
+        args.model = str(ensure_default_model())
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = {"model": Path(args.model).name, "num_requests": args.num_requests, "threads": torch.get_num_threads(),
+               "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "runs": {}}
+    profile_text = ""
+    for dtype_name in args.dtypes.split(","):
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+        llm = LLM(args.model, dtype=dtype_name, kv_cache_memory=args.kv_cache_memory,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+        reqs = workload(args.num_requests, llm.engine.vocab_size)
+        llm.generate([reqs[0][0][:64]], SamplingParams(temperature=0, max_tokens=4))      # warm-up
+        run = {"kaiten": run_kaiten(llm, reqs)}
+        print(dtype_name, "kaiten", run["kaiten"], flush=True)
+        if llm.engine.runner.dtype == resolve_dtype("auto", torch.device("cpu")):   # the serving dtype
+            profile_text = f"{dtype_name}:\n" + profile_kaiten(llm, reqs)
+        del llm
+        model = hf_model(args.model, dtype)
+        model.generate(torch.tensor([reqs[0][0][:64]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        run["hf_static16"] = run_hf_static(model, reqs)
+        print(dtype_name, "hf_static16", run["hf_static16"], flush=True)
+        n_single = args.hf_single_requests or len(reqs)
+        run["hf_single"] = run_hf_single(model, reqs[:n_single]) | {"num_requests": n_single}
+        print(dtype_name, "hf_single", run["hf_single"], flush=True)
+        for r in run.values():
+            r["tokens_per_s"] = r["output_tokens"] / r["wall_s"]
+        k = run["kaiten"]["tokens_per_s"]
+        run["c_over_b"] = k / run["hf_static16"]["tokens_per_s"]
+        run["c_over_a"] = k / run["hf_single"]["tokens_per_s"]
+        results["runs"][dtype_name] = run
+        del model
+    (RESULTS / "engine_throughput.json").write_text(json.dumps(results, indent=2))
+    (RESULTS / "engine_throughput.md").write_text(render(results, profile_text))
+    print(render(results, profile_text))
+
+
+def render(results: dict, profile_text: str) -> str:
+    lines = [f"# Engine throughput: {results['model']}, {results['num_requests']} requests, "
+             f"{results['threads']} CPU threads, torch {results['torch']}", "",
+             "Prompts uniform in 32..512 tokens, outputs uniform in 16..256 tokens (ignore_eos), greedy.", "",
+             "| dtype | system | output tok/s | wall s | c/a | c/b | KV waste at peak |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for dtype, run in results["runs"].items():
+        names = {"hf_single": "(a) HF generate, one at a time", "hf_static16": "(b) HF static batches of 16",
+                 "kaiten": "(c) Kaiten"}
+        for key, label in names.items():
+            r = run[key]
+            if key == "hf_single" and r["num_requests"] != results["num_requests"]:
+                label += f" (first {r['num_requests']} requests)"
+            ca = f"{run['c_over_a']:.1f}" if key == "kaiten" else ""
+            cb = f"{run['c_over_b']:.1f}" if key == "kaiten" else ""
+            waste = f"{100 * r['kv_waste_at_peak']:.2f}%" if key == "kaiten" else ""
+            lines.append(f"| {dtype} | {label} | {r['tokens_per_s']:.1f} | {r['wall_s']:.1f} | {ca} | {cb} | {waste} |")
+    if profile_text:
+        lines += ["", "## Where a Kaiten decode step spends its time (serving dtype, 10 steps, torch.profiler)", "",
+                  "```", profile_text, "```"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
