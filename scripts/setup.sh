@@ -10,6 +10,9 @@ need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 if [[ "$extras" == *test* ]]; then
   [ -x /usr/bin/chromium ] || need_apt+=(chromium chromium-driver)
+  command -v nginx >/dev/null || need_apt+=(nginx-light)               # tests run docker/nginx.conf
+  command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
+    || need_apt+=(docker-compose)                                      # `config` parses compose files
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
