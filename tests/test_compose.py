@@ -104,10 +104,15 @@ def test_docker_compose_config(tmp_path):
         assert out.returncode == 0, out.stderr
         return out
 
-    check_config(yaml.safe_load(config("--profile", "cpu", "config").stdout))
-    services = set(config("config", "--services").stdout.split())
-    assert "engine" in services and "engine-cpu" not in services and "gateway" in services
-    assert "engine-cpu" in config("--profile", "cpu", "config", "--services").stdout.split()
+    def active(cfg: dict, profiles: set[str]) -> set[str]:
+        # v2 drops inactive services from `config`; v1 keeps them with their `profiles`.
+        return {n for n, svc in cfg["services"].items() if not svc.get("profiles") or set(svc["profiles"]) & profiles}
+
+    with_cpu = yaml.safe_load(config("--profile", "cpu", "config").stdout)
+    check_config(with_cpu)
+    assert "engine-cpu" in active(with_cpu, {"cpu"})
+    default = active(yaml.safe_load(config("config").stdout), set())
+    assert {"engine", "gateway", "tokenizer", "redis", "nginx"} <= default and "engine-cpu" not in default
     # Environment overrides reach the services.
     cfg = yaml.safe_load(config("config", extra_env={"KAITEN_HTTP_PORT": "9123",
                                                      "KAITEN_KV_CACHE_MEMORY": "3GiB"}).stdout)
