@@ -131,53 +131,46 @@ async def _run_unstreamed(request: Request, gw: Gateway, gens, build) -> Respons
 
 
 # ---------------------------------------------------------------------- OpenAI endpoints
-async def completions(request: Request) -> Response:
+async def _generate(request: Request, parse, id_prefix: str, stream, respond) -> Response:
+    """The flow both generation endpoints share: auth, JSON body, `parse`, admission, submission,
+    then `stream(gw, parsed, gens, rid, created)` as SSE or, unstreamed, the JSON body that
+    `await respond(gw, parsed, gens, pieces, rid, created)` builds."""
     gw = _gw(request)
     try:
         check_auth(request)
         body = await read_json(request, gw.config.max_body_bytes)
-        parsed = await parse_completion(body, gw.model_context())
+        parsed = await parse(body, gw.model_context())
         gw.admit(parsed)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"{id_prefix}-{uuid.uuid4().hex}"
         gens = await gw.submit(parsed, rid)
     except APIError as e:
         gw.metrics.rejected(e.status)
         return e.response()
     created = int(time.time())
     if parsed.stream:
-        return SSEResponse(completion_sse(gw, parsed, gens, rid, created), lambda: gw.close(gens))
+        return SSEResponse(stream(gw, parsed, gens, rid, created), lambda: gw.close(gens))
+    return await _run_unstreamed(request, gw, gens, lambda pieces: respond(gw, parsed, gens, pieces, rid, created))
 
-    async def build(pieces):
-        texts = {}
-        if parsed.echo:
-            for g in gens:
-                texts[g.sub.index] = (g.sub.prompt_text if g.sub.prompt_text is not None
-                                      else await gw.tokenizer.decode(g.sub.prompt_ids))
-        return completion_response(gw, parsed, gens, pieces, rid, created, texts)
 
-    return await _run_unstreamed(request, gw, gens, build)
+async def _completion_body(gw: Gateway, parsed, gens, pieces, rid: str, created: int) -> dict[str, Any]:
+    texts = {}
+    if parsed.echo:
+        for g in gens:
+            texts[g.sub.index] = (g.sub.prompt_text if g.sub.prompt_text is not None
+                                  else await gw.tokenizer.decode(g.sub.prompt_ids))
+    return completion_response(gw, parsed, gens, pieces, rid, created, texts)
+
+
+async def _chat_body(gw: Gateway, parsed, gens, pieces, rid: str, created: int) -> dict[str, Any]:
+    return chat_response(gw, parsed, gens, pieces, rid, created)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, parse_completion, "cmpl", completion_sse, _completion_body)
 
 
 async def chat_completions(request: Request) -> Response:
-    gw = _gw(request)
-    try:
-        check_auth(request)
-        body = await read_json(request, gw.config.max_body_bytes)
-        parsed = await parse_chat(body, gw.model_context())
-        gw.admit(parsed)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gens = await gw.submit(parsed, rid)
-    except APIError as e:
-        gw.metrics.rejected(e.status)
-        return e.response()
-    created = int(time.time())
-    if parsed.stream:
-        return SSEResponse(chat_sse(gw, parsed, gens, rid, created), lambda: gw.close(gens))
-
-    async def build(pieces):
-        return chat_response(gw, parsed, gens, pieces, rid, created)
-
-    return await _run_unstreamed(request, gw, gens, build)
+    return await _generate(request, parse_chat, "chatcmpl", chat_sse, _chat_body)
 
 
 async def models(request: Request) -> Response:
