@@ -17,27 +17,25 @@ class GatewayMetrics:
         self.model_name = model_name
         self.registry = r = CollectorRegistry(auto_describe=True)
         lbl = ["model_name"]
-        self.ttft = Histogram("kaiten:time_to_first_token_seconds", "Time to first token (gateway clock).",
-                              lbl, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("kaiten:inter_token_latency_seconds", "Time between token deliveries.",
-                             lbl, buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("kaiten:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             lbl, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.running = Gauge("kaiten:num_requests_running", "Requests running on the live engines.",
-                             lbl, registry=r).labels(model_name)
-        self.waiting = Gauge("kaiten:num_requests_waiting", "Requests waiting (engine queues and stream backlog).",
-                             lbl, registry=r).labels(model_name)
-        self.kv_usage = Gauge("kaiten:kv_cache_usage_perc", "Mean KV-cache usage of the live engines (0..1).",
-                              lbl, registry=r).labels(model_name)
-        self.engines = Gauge("kaiten:num_engines", "Live engines (fresh heartbeat).", lbl, registry=r).labels(model_name)
-        self.prefix_hit = Gauge("kaiten:prefix_cache_hit_rate", "Mean prefix-cache hit rate of the live engines.",
-                                lbl, registry=r).labels(model_name)
-        self.in_flight = Gauge("kaiten:gateway_requests_in_flight", "Engine requests this gateway waits on.",
-                               lbl, registry=r).labels(model_name)
-        self.prompt_tokens = Counter("kaiten:prompt_tokens", "Prompt tokens of finished requests.",
-                                     lbl, registry=r).labels(model_name)
-        self.generation_tokens = Counter("kaiten:generation_tokens", "Generated tokens delivered.",
-                                         lbl, registry=r).labels(model_name)
+
+        def own(kind, name: str, doc: str, **kw):
+            """A metric of this registry, bound to this gateway's model."""
+            return kind(name, doc, lbl, registry=r, **kw).labels(model_name)
+
+        self.ttft = own(Histogram, "kaiten:time_to_first_token_seconds", "Time to first token (gateway clock).",
+                        buckets=TTFT_BUCKETS)
+        self.itl = own(Histogram, "kaiten:inter_token_latency_seconds", "Time between token deliveries.",
+                       buckets=ITL_BUCKETS)
+        self.e2e = own(Histogram, "kaiten:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                       buckets=E2E_BUCKETS)
+        self.running = own(Gauge, "kaiten:num_requests_running", "Requests running on the live engines.")
+        self.waiting = own(Gauge, "kaiten:num_requests_waiting", "Requests waiting (engine queues and stream backlog).")
+        self.kv_usage = own(Gauge, "kaiten:kv_cache_usage_perc", "Mean KV-cache usage of the live engines (0..1).")
+        self.engines = own(Gauge, "kaiten:num_engines", "Live engines (fresh heartbeat).")
+        self.prefix_hit = own(Gauge, "kaiten:prefix_cache_hit_rate", "Mean prefix-cache hit rate of the live engines.")
+        self.in_flight = own(Gauge, "kaiten:gateway_requests_in_flight", "Engine requests this gateway waits on.")
+        self.prompt_tokens = own(Counter, "kaiten:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = own(Counter, "kaiten:generation_tokens", "Generated tokens delivered.")
         self._success = Counter("kaiten:request_success", "Finished requests by finish reason.",
                                 lbl + ["finished_reason"], registry=r)
         self._errors = Counter("kaiten:request_errors", "Requests that ended with an error, by code.",

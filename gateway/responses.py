@@ -118,28 +118,26 @@ def chat_logprobs(gw, lps: list[TokenLogprob] | None, top_n: int) -> dict[str, A
     return {"content": content, "refusal": None}
 
 
-# ---------------------------------------------------------------------- completions
-async def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
-                         created: int) -> AsyncIterator[bytes]:
+# ---------------------------------------------------------------------- streams
+def _chunker(parsed: ParsedRequest, rid: str, created: int, obj: str) -> Callable[..., bytes]:
+    """The SSE frame of one streamed chunk (`obj`: its "object" field)."""
     def chunk(choices: list, **extra) -> bytes:
-        d = {"id": rid, "object": "text_completion", "created": created, "model": parsed.model, "choices": choices}
+        d = {"id": rid, "object": obj, "created": created, "model": parsed.model, "choices": choices}
         if parsed.include_usage:
             d["usage"] = None
         d.update(extra)
         return sse(d)
+    return chunk
 
-    lp_builders = {g.sub.index: CompletionLogprobs(gw, parsed.logprobs or 0) for g in gens}
+
+async def _stream(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str, chunk: Callable[..., bytes],
+                  frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`frames`, the usage chunk if asked for, then [DONE]. An error ends the stream with an error
+    frame (never a cut); the outcome is recorded either way."""
     error: APIError | None = None
     try:
-        if parsed.echo:
-            for g in gens:
-                text = g.sub.prompt_text if g.sub.prompt_text is not None else await gw.tokenizer.decode(g.sub.prompt_ids)
-                yield chunk([{"index": g.sub.index, "text": text, "logprobs": None, "finish_reason": None}])
-        async for g, p in merged(gens):
-            if not p.text and p.finish_reason is None and not p.logprobs:
-                continue
-            lp = lp_builders[p.index].build(p.logprobs) if parsed.logprobs is not None else None
-            yield chunk([{"index": p.index, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason}])
+        async for frame in frames:
+            yield frame
         if parsed.include_usage:
             yield chunk([], usage=usage(parsed, gens))
     except APIError as e:
@@ -154,6 +152,26 @@ async def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], r
         yield sse(error.body())
     gw.record(gens, error)
     yield DONE
+
+
+# ---------------------------------------------------------------------- completions
+def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
+                   created: int) -> AsyncIterator[bytes]:
+    chunk = _chunker(parsed, rid, created, "text_completion")
+    lp_builders = {g.sub.index: CompletionLogprobs(gw, parsed.logprobs or 0) for g in gens}
+
+    async def frames() -> AsyncIterator[bytes]:
+        if parsed.echo:
+            for g in gens:
+                text = g.sub.prompt_text if g.sub.prompt_text is not None else await gw.tokenizer.decode(g.sub.prompt_ids)
+                yield chunk([{"index": g.sub.index, "text": text, "logprobs": None, "finish_reason": None}])
+        async for g, p in merged(gens):
+            if not p.text and p.finish_reason is None and not p.logprobs:
+                continue
+            lp = lp_builders[p.index].build(p.logprobs) if parsed.logprobs is not None else None
+            yield chunk([{"index": p.index, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason}])
+
+    return _stream(gw, parsed, gens, rid, chunk, frames())
 
 
 def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: dict[int, list[Piece]],
@@ -174,19 +192,12 @@ def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pi
 
 
 # ---------------------------------------------------------------------- chat
-async def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
-                   created: int) -> AsyncIterator[bytes]:
-    def chunk(choices: list, **extra) -> bytes:
-        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": parsed.model,
-             "choices": choices}
-        if parsed.include_usage:
-            d["usage"] = None
-        d.update(extra)
-        return sse(d)
-
+def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
+             created: int) -> AsyncIterator[bytes]:
+    chunk = _chunker(parsed, rid, created, "chat.completion.chunk")
     want_lp = parsed.logprobs is not None
-    error: APIError | None = None
-    try:
+
+    async def frames() -> AsyncIterator[bytes]:
         for g in gens:
             yield chunk([{"index": g.sub.index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
@@ -197,20 +208,8 @@ async def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: st
                               "finish_reason": None}])
             if p.finish_reason is not None:
                 yield chunk([{"index": p.index, "delta": {}, "logprobs": None, "finish_reason": p.finish_reason}])
-        if parsed.include_usage:
-            yield chunk([], usage=usage(parsed, gens))
-    except APIError as e:
-        error = e
-        yield sse(e.body())
-    except asyncio.CancelledError:
-        gw.metrics.error("client_disconnected")
-        raise
-    except Exception as e:              # a bug: still end the stream with an error, not a cut
-        log.exception("stream %s failed", rid)
-        error = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
-        yield sse(error.body())
-    gw.record(gens, error)
-    yield DONE
+
+    return _stream(gw, parsed, gens, rid, chunk, frames())
 
 
 def chat_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: dict[int, list[Piece]],

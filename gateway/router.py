@@ -98,11 +98,7 @@ class ReplyRouter:
             return False
 
     async def _open(self) -> None:
-        if self.pubsub is not None:
-            try:
-                await self.pubsub.aclose()
-            except Exception:
-                pass
+        await self.close()
         self.pubsub = self.r.pubsub()
         self._confirmations = 0
         await self.pubsub.subscribe(self.channel)
@@ -146,16 +142,12 @@ class ReplyRouter:
             except Exception as e:
                 self.counters["connection_errors"] += 1
                 self._connection_lost(f"{type(e).__name__}: {e}")
-                if self.pubsub is not None:
-                    try:
-                        await self.pubsub.aclose()
-                    except Exception:
-                        pass
-                    self.pubsub = None
+                await self.close()
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
 
     async def close(self) -> None:
+        """Close the pub/sub connection, if any; errors on the way out are ignored."""
         if self.pubsub is not None:
             try:
                 await self.pubsub.aclose()
