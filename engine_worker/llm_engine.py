@@ -14,7 +14,7 @@ from engine_worker.request_source import NewRequest, RequestSource
 from engine_worker.sampler import Sampler
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler import ScheduledBatch, Scheduler
-from engine_worker.sequence import Sequence, SequenceStatus
+from engine_worker.sequence import Sequence
 from shared.config import EngineConfig
 from shared.protocol import TokenLogprob
 

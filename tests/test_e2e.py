@@ -20,10 +20,10 @@ import pytest
 import redis
 
 from shared import names
-from shared.config import EngineConfig, WorkerConfig
+from tests.engine_support import WorkerThread as EngineWorkerThread, wait_until
 from tests.redis_server import RedisServer
 from tests.test_gateway import BAD_REQUESTS, _is_openai_error
-from tests.test_gateway_support import post_stream, start_gateway, wait_for
+from tests.test_gateway_support import post_stream, start_gateway
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,46 +33,9 @@ CHAT = [{"role": "user", "content": "How are you today?"}]
 
 
 # ---------------------------------------------------------------------- helpers
-def engine_config(model_dir, **kw) -> EngineConfig:
-    base = dict(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory="4MiB", max_num_seqs=32,
-                num_threads=1)
-    base.update(kw)
-    return EngineConfig(**base)
-
-
-def worker_config(url: str, engine_id: str, **kw) -> WorkerConfig:
-    base = dict(redis_url=url, engine_id=engine_id, heartbeat_interval=0.2, heartbeat_ttl=1.5,
-                janitor_interval=0.2, claim_idle_ms=300, idle_block_ms=20, redis_retry_max=0.5,
-                drain_timeout=2.0)
-    base.update(kw)
-    return WorkerConfig(**base)
-
-
-class WorkerThread:
-    """An EngineWorker running in a thread of the test process."""
-
-    def __init__(self, url, model_dir, engine_id, engine_kw=None, **kw):
-        from engine_worker.worker import EngineWorker
-        self.worker = EngineWorker(engine_config(model_dir, **(engine_kw or {})), worker_config(url, engine_id, **kw))
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"worker-{engine_id}")
-
-    def _run(self):
-        try:
-            self.worker.run()
-        except BaseException as e:
-            self.error = e
-            raise
-
-    def start(self) -> "WorkerThread":
-        self.thread.start()
-        assert self.worker.started.wait(60), "worker did not start"
-        return self
-
-    def stop(self) -> None:
-        self.worker.stop(drain=False)
-        self.thread.join(15)
-        assert not self.thread.is_alive() and self.error is None, self.error
+def WorkerThread(url, model_dir, engine_id, **kw) -> EngineWorkerThread:
+    """A worker that gateways give up on quickly (heartbeat TTL 1.5 s) and that drains briefly."""
+    return EngineWorkerThread(url, model_dir, engine_id, **({"heartbeat_ttl": 1.5, "drain_timeout": 2.0} | kw))
 
 
 def openai_client(srv):
@@ -101,7 +64,7 @@ def stack(tiny_model_dir):
     server = RedisServer().start()
     w = WorkerThread(server.url, tiny_model_dir, "e2e-main").start()
     srv = start_gateway(server.url, tiny_model_dir, engine_timeout=3.0)
-    wait_for(lambda: srv.gw.monitor.live_engines(), 10)
+    wait_until(lambda: srv.gw.monitor.live_engines(), 10)
     yield {"server": server, "worker": w, "srv": srv, "r": redis.Redis.from_url(server.url),
            "model": tiny_model_dir.name}
     srv.stop()
@@ -202,7 +165,7 @@ def test_websocket_chat_and_cancel(stack, reference):
                 break
         assert ev["finish_reason"] == "cancelled" and ev["usage"]["completion_tokens"] < 400
     eng = stack["worker"].worker.engine
-    wait_for(lambda: eng.stats().num_running == 0 and not eng.has_unfinished(), 10)
+    wait_until(lambda: eng.stats().num_running == 0 and not eng.has_unfinished(), 10)
 
 
 def test_abort_on_disconnect_frees_blocks_within_one_step(stack):
@@ -234,7 +197,7 @@ def test_abort_on_disconnect_frees_blocks_within_one_step(stack):
                         if got == 3:
                             assert engine.stats().num_free_blocks < engine.stats().num_blocks
                             break
-        wait_for(lambda: "abort_output_at_step" in events, 10)
+        wait_until(lambda: "abort_output_at_step" in events, 10)
         assert events["abort_output_at_step"] - events["abort_read_at_step"] <= 1
         st = events["stats"]
         assert st.num_running == 0 and st.num_free_blocks == st.num_blocks, st
@@ -246,7 +209,7 @@ def test_garbage_stream_entry_is_dead_lettered(stack):
     r = stack["r"]
     r.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: b"\x93garbage"})
     r.xadd(names.REQUEST_STREAM, {b"other": b"field"})
-    wait_for(lambda: r.xlen(names.DEAD_LETTER_STREAM) >= 2, 15)
+    wait_until(lambda: r.xlen(names.DEAD_LETTER_STREAM) >= 2, 15)
     client = openai_client(stack["srv"])
     out = client.completions.create(model=stack["model"], prompt="Hello", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
@@ -270,7 +233,7 @@ def test_two_gateways_two_engines_40_concurrent_streams(tiny_model_dir, referenc
     gws = [start_gateway(server.url, tiny_model_dir) for _ in range(2)]
     try:
         for g in gws:
-            wait_for(lambda: len(g.gw.monitor.live_engines()) == 2, 10)
+            wait_until(lambda: len(g.gw.monitor.live_engines()) == 2, 10)
 
         async def one(i: int, client: httpx.AsyncClient):
             body = {"prompt": reference["ids40"][i], "max_tokens": 6, "temperature": 0, "stream": True}
@@ -331,9 +294,9 @@ def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_m
     srv = start_gateway(server.url, tiny_model_dir, engine_timeout=1.5)
     survivor = None
     try:
-        wait_for(lambda: r.exists(names.heartbeat_key("victim")) or proc.poll() is not None, 60)
+        wait_until(lambda: r.exists(names.heartbeat_key("victim")) or proc.poll() is not None, 60)
         assert proc.poll() is None
-        wait_for(lambda: srv.gw.monitor.live_engines(), 10)
+        wait_until(lambda: srv.gw.monitor.live_engines(), 10)
         # The survivor is loaded now but starts consuming only after the victim holds requests.
         survivor = WorkerThread(server.url, tiny_model_dir, "survivor")
         long_results: dict[int, list] = {}
@@ -394,7 +357,7 @@ def test_redis_restart_empty_recovers_without_restarts(tiny_model_dir, reference
     srv = start_gateway(server.url, tiny_model_dir, engine_timeout=2.0)
     try:
         with httpx.Client(base_url=srv.url, trust_env=False, timeout=30) as c:
-            wait_for(lambda: c.get("/ready").status_code == 200, 10)
+            wait_until(lambda: c.get("/ready").status_code == 200, 10)
             body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
             assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == reference["texts"][PROMPTS[0]]
             # A stream in flight while Redis restarts ends with an error, not a hang.
@@ -405,7 +368,7 @@ def test_redis_restart_empty_recovers_without_restarts(tiny_model_dir, reference
                                                                  "ignore_eos": True, "stream": True})
             t = threading.Thread(target=long_stream)
             t.start()
-            wait_for(lambda: srv.gw.router.streams, 10)
+            wait_until(lambda: srv.gw.router.streams, 10)
             time.sleep(0.2)
             server.restart_empty()
             t.join(30)

@@ -13,7 +13,8 @@ import redis
 
 from shared import names
 from shared.protocol import Abort, decode
-from tests.test_gateway_support import (FakeEngine, default_tokens, post_stream, start_gateway, wait_for)
+from tests.engine_support import wait_until
+from tests.test_gateway_support import FakeEngine, default_tokens, post_stream, start_gateway
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -306,7 +307,7 @@ def test_stop_strings_truncate_and_abort(env, tok, stream):
     assert text == "The quick brown "
     assert finish == ["stop"]
     # The engine was still generating: the gateway aborted it.
-    wait_for(lambda: rid in env["eng"].aborts, 5)
+    wait_until(lambda: rid in env["eng"].aborts, 5)
 
 
 def test_stop_string_in_chat_across_tokens(env, tok):
@@ -434,8 +435,8 @@ def test_streaming_client_disconnect_aborts(env):
             lines = resp.iter_lines()
             first = next(l for l in lines if l.startswith("data:"))
             rid = json.loads(first[5:])["id"]
-    wait_for(lambda: rid in env["eng"].aborts, 5)
-    wait_for(lambda: rid not in env["srv"].gw.router.streams, 5)
+    wait_until(lambda: rid in env["eng"].aborts, 5)
+    wait_until(lambda: rid not in env["srv"].gw.router.streams, 5)
     raw = env["r"].xrange(names.ABORT_STREAM)
     msgs = [decode(f[names.PAYLOAD_FIELD]) for _, f in raw]
     assert any(isinstance(m, Abort) and m.request_id == rid and m.reply_to == env["srv"].gw.gateway_id for m in msgs)
@@ -446,9 +447,9 @@ def test_unstreamed_client_disconnect_aborts(env):
     with pytest.raises(httpx.ReadTimeout):
         with httpx.Client(base_url=env["srv"].url, timeout=0.5, trust_env=False) as c:
             c.post("/v1/completions", json={"prompt": "x", "max_tokens": 450, "seed": 7780})
-    rid = wait_for(lambda: next((rid for rid, fr in env["eng"].requests.items()
+    rid = wait_until(lambda: next((rid for rid, fr in env["eng"].requests.items()
                                  if fr.req.params.get("seed") == 7780), None), 5)
-    wait_for(lambda: rid in env["eng"].aborts, 5)
+    wait_until(lambda: rid in env["eng"].aborts, 5)
 
 
 # ---------------------------------------------------------------------- WebSocket
@@ -488,7 +489,7 @@ def test_websocket_chat_cancel_and_close(env, tok):
                 break
             assert ev["type"] == "delta"
         assert ev["finish_reason"] == "cancelled"
-        wait_for(lambda: rid in env["eng"].aborts, 5)
+        wait_until(lambda: rid in env["eng"].aborts, 5)
 
         # errors: bad frame, bad request, unknown type
         ws.send("not json")
@@ -504,7 +505,7 @@ def test_websocket_chat_cancel_and_close(env, tok):
         ws.send(json.dumps({"type": "chat", "id": "c5", "messages": [{"role": "user", "content": "hi"}],
                             "max_tokens": 400, "seed": 7781}))
         rid5 = json.loads(ws.recv(10))["request_id"]
-    wait_for(lambda: rid5 in env["eng"].aborts, 5)
+    wait_until(lambda: rid5 in env["eng"].aborts, 5)
 
 
 # ---------------------------------------------------------------------- dedicated gateways
@@ -553,17 +554,17 @@ def test_admission_control(own_redis, tiny_model_dir):
         eng = FakeEngine(own_redis.url, engine_id="fake-busy", model=tiny_model_dir.name, hb={"num_waiting": 50})
         eng.start()
         try:
-            wait_for(lambda: srv.gw.monitor.live_engines(), 5)
+            wait_until(lambda: srv.gw.monitor.live_engines(), 5)
             resp = c.post("/v1/completions", json=body)
             assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1, resp.text
             assert resp.json()["error"]["type"] == "rate_limit_error"
             eng.hb_extra = {"num_waiting": 1, "num_waiting_tokens": 5000}
             eng.heartbeat()
-            wait_for(lambda: srv.gw.monitor.load()["num_waiting_tokens"] == 5000, 5)
+            wait_until(lambda: srv.gw.monitor.load()["num_waiting_tokens"] == 5000, 5)
             assert c.post("/v1/completions", json=body).status_code == 429
             eng.hb_extra = {}
             eng.heartbeat()
-            wait_for(lambda: srv.gw.monitor.load()["num_waiting_tokens"] == 0, 5)
+            wait_until(lambda: srv.gw.monitor.load()["num_waiting_tokens"] == 0, 5)
             assert c.post("/v1/completions", json=body).status_code == 200
         finally:
             eng.stop()
@@ -572,7 +573,7 @@ def test_admission_control(own_redis, tiny_model_dir):
         idle.heartbeat()
         for i in range(12):
             r.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: b"backlog"})
-        wait_for(lambda: srv.gw.monitor.backlog.lag >= 12 and srv.gw.monitor.live_engines(), 5)
+        wait_until(lambda: srv.gw.monitor.backlog.lag >= 12 and srv.gw.monitor.live_engines(), 5)
         resp = c.post("/v1/completions", json=body)
         assert resp.status_code == 429, resp.text
     finally:
@@ -592,7 +593,7 @@ def test_engine_lost_mid_request(own_redis, tiny_model_dir):
             assert time.monotonic() - t0 < 6
             eng.heartbeat_on = True
             eng.heartbeat()
-            wait_for(lambda: srv.gw.monitor.live_engines(), 5)
+            wait_until(lambda: srv.gw.monitor.live_engines(), 5)
             resp = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
             assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_lost"
     finally:
@@ -646,7 +647,7 @@ def test_lost_subscription_fails_in_flight_requests(own_redis, tiny_model_dir):
             assert rest[-1] == "data: [DONE]"
             err = json.loads(rest[-2][5:])
             assert err["error"]["code"] == "reply_channel_lost"
-            wait_for(lambda: srv.gw.router.subscribed.is_set(), 5)
+            wait_until(lambda: srv.gw.router.subscribed.is_set(), 5)
             assert srv.gw.router.counters["resubscribed"] >= 1
             resp = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
             assert resp.status_code == 200, resp.text

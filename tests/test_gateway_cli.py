@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from tests.redis_server import RedisServer, free_port
-from tests.test_gateway_support import FakeEngine, default_tokens, post_stream, wait_for
+from tests.engine_support import wait_until
+from tests.test_gateway_support import FakeEngine, default_tokens, post_stream
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ def _up(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
             return httpx.get(url, timeout=1, trust_env=False).status_code == 200
         except httpx.HTTPError:
             return False
-    wait_for(ok, timeout, 0.2)
+    wait_until(ok, timeout, 0.2)
 
 
 def test_gateway_process_with_remote_tokenizer(tiny_model_dir):

@@ -261,16 +261,5 @@ def post_stream(client, url: str, body: dict, headers: dict | None = None) -> tu
         return 200, sse_events(resp.iter_lines())
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
-
-
 def run_async(coro):
     return asyncio.run(coro)

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import pytest
 import redis
 
 from shared import names, protocol
-from shared.config import EngineConfig, WorkerConfig
+from shared.config import WorkerConfig
+from tests.engine_support import WorkerThread, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,20 +28,6 @@ PROMPTS = [[1, 10, 20, 30], [1, 50, 60], [1, 100, 101, 102, 103, 104], [1, 7]]
 
 
 # ---------------------------------------------------------------------- helpers
-def engine_config(model_dir, **kw) -> EngineConfig:
-    base = dict(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory="4MiB", max_num_seqs=32)
-    base.update(kw)
-    return EngineConfig(**base)
-
-
-def worker_config(url: str, engine_id: str, **kw) -> WorkerConfig:
-    base = dict(redis_url=url, engine_id=engine_id, heartbeat_interval=0.2, heartbeat_ttl=3.0,
-                janitor_interval=0.2, claim_idle_ms=300, idle_block_ms=20, redis_retry_max=0.5,
-                drain_timeout=5.0)
-    base.update(kw)
-    return WorkerConfig(**base)
-
-
 class FakeGateway:
     """Subscribes to its reply channel on creation; XADDs requests and aborts; reads TokenBatches."""
 
@@ -106,47 +92,18 @@ def assert_contiguous(deltas: list[protocol.Delta]) -> None:
     assert all(d.finish_reason is None for d in deltas[:-1])
 
 
-def wait_until(cond, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
-
-
 @pytest.fixture
 def start_worker(redis_url, tiny_model_dir):
-    from engine_worker.worker import EngineWorker
+    workers: list[WorkerThread] = []
 
-    workers = []
-
-    def start(engine_id: str = "e1", url: str | None = None, engine_kw: dict | None = None, **kw):
-        w = EngineWorker(engine_config(tiny_model_dir, **(engine_kw or {})),
-                         worker_config(url or redis_url, engine_id, **kw))
-        w.error = None
-
-        def run():
-            try:
-                w.run()
-            except BaseException as e:  # surfaced by the fixture's teardown
-                w.error = e
-                raise
-
-        w.thread = threading.Thread(target=run, daemon=True, name=f"worker-{engine_id}")
-        w.thread.start()
-        assert w.started.wait(60), "worker did not start"
+    def start(engine_id: str = "e1", url: str | None = None, engine_kw: dict | None = None, **kw) -> WorkerThread:
+        w = WorkerThread(url or redis_url, tiny_model_dir, engine_id, engine_kw=engine_kw, **kw).start()
         workers.append(w)
         return w
 
     yield start
     for w in workers:
-        w.stop(drain=False)
-        w.thread.join(15)
-        assert not w.thread.is_alive(), "worker thread did not stop"
-        assert w.error is None, f"worker loop raised {w.error!r}"
+        w.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,68 @@
+"""Engine workers for the tests that run them (no tests here): configs for the tiny model on the
+CPU, an EngineWorker running in a thread of the test process, and a polling wait."""
+from __future__ import annotations
+
+import threading
+import time
+
+from shared.config import EngineConfig, WorkerConfig
+
+
+def engine_config(model_dir, **kw) -> EngineConfig:
+    base = dict(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory="4MiB", max_num_seqs=32,
+                num_threads=1)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def worker_config(url: str, engine_id: str, **kw) -> WorkerConfig:
+    """Fast heartbeats and janitor, short Redis retries; override per test file or test."""
+    base = dict(redis_url=url, engine_id=engine_id, heartbeat_interval=0.2, heartbeat_ttl=3.0,
+                janitor_interval=0.2, claim_idle_ms=300, idle_block_ms=20, redis_retry_max=0.5,
+                drain_timeout=5.0)
+    base.update(kw)
+    return WorkerConfig(**base)
+
+
+class WorkerThread:
+    """An EngineWorker running in a thread of the test process; `kw` goes to worker_config.
+    Attributes it lacks (engine, source, started...) are the worker's."""
+
+    def __init__(self, url, model_dir, engine_id, engine_kw=None, **kw):
+        from engine_worker.worker import EngineWorker
+        self.worker = EngineWorker(engine_config(model_dir, **(engine_kw or {})), worker_config(url, engine_id, **kw))
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"worker-{engine_id}")
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def _run(self):
+        try:
+            self.worker.run()
+        except BaseException as e:          # surfaced by stop()
+            self.error = e
+            raise
+
+    def start(self) -> "WorkerThread":
+        self.thread.start()
+        assert self.worker.started.wait(60), "worker did not start"
+        return self
+
+    def stop(self, drain: bool = False) -> None:
+        self.worker.stop(drain=drain)
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "worker thread did not stop"
+        assert self.error is None, f"worker loop raised {self.error!r}"
+
+
+def wait_until(cond, timeout: float = 15.0, interval: float = 0.02, what: str = "condition"):
+    """Poll `cond` until it returns a truthy value, which is returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
