@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_name, load_avg  # noqa: E402
 from kernels.interface import AttentionMetadata  # noqa: E402
 from kernels.torch_attention import TorchAttention  # noqa: E402
 
@@ -209,7 +210,7 @@ def main(argv=None):
     mixed = [(1, rng.randint(32, 768)) for _ in range(60)] + [(256, 768), (256, 256)]
     rng.shuffle(mixed)
 
-    load_before = _loadavg()
+    load_before = load_avg()
     with torch.inference_mode():
         cases = []
         for dname in args.dtypes.split(","):
@@ -220,13 +221,13 @@ def main(argv=None):
     env = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "dtypes": args.dtypes,
         "heads": f"{HQ} q / {HKV} kv, head_dim {D}, block_size {BS}",
         "runs": args.runs,
-        "loadavg_1m_before_after": [load_before, _loadavg()],
+        "loadavg_1m_before_after": [load_before, load_avg()],
     }
     result = {"env": env, "cases": cases, **wkv}
     out = Path(args.out)
@@ -234,23 +235,6 @@ def main(argv=None):
     (out / "attention_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "attention_cpu.md").write_text(_markdown(result))
     print(_markdown(result))
-
-
-def _loadavg() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _markdown(r) -> str:

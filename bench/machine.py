@@ -1,0 +1,24 @@
+"""What a benchmark records about the machine it ran on."""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_avg() -> float | None:
+    """The 1-minute load average: on a shared machine, read it before and after a run."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
