@@ -5,12 +5,15 @@ import logging
 
 import torch
 
+from engine_worker.cuda_graphs import DecodeGraphRunner
 from engine_worker.llama import LlamaForCausalLM, ModelConfig
 from engine_worker.scheduler import ScheduledBatch
 from kernels.interface import AttentionMetadata, get_attention_backend
 from shared.config import EngineConfig, parse_memory
 
 log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_MEMORY = "1GiB"       # kv_cache_memory "auto" on the CPU
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
@@ -35,8 +38,20 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def kv_budget_from_profile(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
+    """CUDA KV budget in bytes: `utilization` of the GPU's `total` memory, less this process's
+    peak torch allocation during the warm-up profile (weights and activations, `peak`) and less
+    the memory torch does not account for (CUDA context, other processes: total - free - reserved).
+    """
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    non_torch = max(0, total - free - reserved)
+    return int(total * utilization) - peak - non_torch
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str):
+        self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads > 0:
@@ -50,8 +65,69 @@ class ModelRunner:
         self.model = LlamaForCausalLM(self.model_config).to(device=self.device, dtype=self.dtype)
         self.model.load_weights(model_dir)
         self.model.eval()
-        self.num_blocks = self._num_blocks(parse_memory(config.kv_cache_memory))
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.num_blocks = self._num_blocks(self._kv_budget())
         self.kv_caches = self._allocate_kv_cache()
+        self.graphs: DecodeGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and not self.backend.cuda_graph_safe:
+            log.warning("attention backend %s cannot run in CUDA graphs; decode runs eagerly", self.backend.name)
+        elif self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphRunner(
+                self.model, self.kv_caches, self.backend,
+                max_batch=max(1, min(config.max_num_seqs, config.max_cuda_graph_batch)),
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                max_seqlen_k=self.max_model_len, device=self.device)
+            self.graphs.capture()
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory != "auto":
+            return parse_memory(self.config.kv_cache_memory)
+        if self.device.type != "cuda":
+            return parse_memory(CPU_KV_CACHE_MEMORY)
+        peak = self._profile_peak_memory()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_budget_from_profile(total, free, torch.cuda.memory_reserved(self.device), peak,
+                                        self.config.gpu_memory_utilization)
+        log.info("KV cache budget %.2f GiB: %.0f%% of %.1f GiB less a profiled peak of %.2f GiB",
+                 budget / 2**30, 100 * self.config.gpu_memory_utilization, total / 2**30, peak / 2**30)
+        return budget
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Peak torch memory of the largest step: a prefill of max_num_batched_tokens tokens, split
+        into sequences of at most max_model_len, with the logits of max_num_seqs rows. Its KV goes
+        to a scratch cache that is not counted."""
+        cfg, bs = self.model_config, self.block_size
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
+        lens = [min(self.max_model_len, tokens - start) for start in range(0, tokens, self.max_model_len)]
+        blocks = [-(-n // bs) for n in lens]
+        shape = (sum(blocks), bs, cfg.num_kv_heads, cfg.head_dim)
+        scratch = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
+        tables, slots, first = [], [], 0
+        for n, nb in zip(lens, blocks):
+            table = list(range(first, first + nb))
+            tables.append(table + [0] * (max(blocks) - nb))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+            first += nb
+        dev = self.device
+        cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(cu, torch.tensor(lens, dtype=torch.int32, device=dev),
+                                 torch.tensor(tables, dtype=torch.int32, device=dev),
+                                 torch.tensor(slots, dtype=torch.int64, device=dev),
+                                 max(lens), max(lens), lens, lens)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        hidden = self.model(ids, pos, scratch, meta, self.backend)
+        self.model.compute_logits(hidden[:min(tokens, self.config.max_num_seqs)])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - scratch_bytes
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return peak
 
     def _bytes_per_block(self) -> int:
         cfg = self.model_config
@@ -103,7 +179,10 @@ class ModelRunner:
         """One forward pass; returns fp32 logits [len(sample_rows), vocab] for the sequences at
         `sample_rows` (those whose whole context is computed after this step)."""
         ids, pos, meta = self.prepare(batch)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
+        if self.graphs is not None and meta.is_decode_only and meta.num_seqs <= self.graphs.max_batch:
+            hidden = self.graphs.run(ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
         last = meta.cu_seqlens_q[1:].long() - 1
         rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
         return self.model.compute_logits(hidden[rows])

@@ -43,6 +43,7 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+    cuda_graph_safe: bool       # launches capturable in a CUDA graph (no host syncs or host values)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -79,6 +79,7 @@ class TorchAttention:
     several threads at once."""
 
     name = "torch"
+    cuda_graph_safe = False     # plans on the host from the metadata's values
 
     def __init__(self, group_max_seqs: int = 8, group_min_fill: float = 0.8,
                  group_max_tokens: int = 8192) -> None:

@@ -72,7 +72,11 @@ class EngineConfig(_EnvConfig):
                                          # Use 1 when several engines share few cores: OpenMP
                                          # threads that spin-wait on a busy CPU cost ~10 ms per op.
     block_size: int = 16
-    kv_cache_memory: str = "1GiB"        # KV pool budget: bytes or "2GiB"
+    kv_cache_memory: str = "auto"        # KV pool budget: bytes, "2GiB", or auto: 1GiB on the CPU,
+                                         # on CUDA gpu_memory_utilization minus the profiled peak
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory this engine may use
+    enforce_eager: bool = False          # CUDA: no CUDA graphs for decode steps
+    max_cuda_graph_batch: int = 512      # CUDA: largest decode batch captured (capped by max_num_seqs)
     max_num_batched_tokens: int = 2048   # per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 256              # running batch cap
     max_model_len: int = 0               # 0: the model's max_position_embeddings
