@@ -36,9 +36,9 @@ def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def hf_model(model_dir: str, dtype: torch.dtype):
+def hf_model(model_dir: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 @torch.inference_mode()
@@ -46,7 +46,7 @@ def run_hf_single(model, reqs) -> dict:
     start = time.perf_counter()
     tokens = 0
     for prompt, out_len in reqs:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
                              min_new_tokens=out_len, do_sample=False, pad_token_id=0)
         tokens += out.shape[1] - len(prompt)
@@ -60,8 +60,8 @@ def run_hf_static(model, reqs, batch_size: int = 16) -> dict:
     for i in range(0, len(reqs), batch_size):
         chunk = reqs[i:i + batch_size]
         width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])          # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=model.device)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=model.device)
         steps = max(n for _, n in chunk)
         model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                        do_sample=False, pad_token_id=0)
@@ -99,13 +99,14 @@ def profile_kaiten(llm: LLM, reqs, top: int = 15) -> str:
     while llm.engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                               for s in llm.engine.scheduler.running):
         llm.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = llm.engine.runner.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(10):
             llm.step()
     for rid in ids:
         llm.engine.abort_request(rid)
     llm.step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    return prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top)
 
 
 def main() -> None:
@@ -116,6 +117,10 @@ def main() -> None:
                     help="requests per dtype: N for all, or DTYPE=N,... (e.g. float32=64,bfloat16=16)")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--attention-backend", default="auto", help="auto | torch | triton | flash_attn")
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
+    ap.add_argument("--out", default=str(RESULTS / "engine_throughput"), help="writes OUT.md and OUT.json")
     ap.add_argument("--hf-single-requests", type=int, default=0,
                     help="run (a), the slowest baseline, on only the first N requests (0: all); "
                          "tokens/s is a rate, so it stays comparable")
@@ -123,25 +128,32 @@ def main() -> None:
     if not args.model:
         from shared.gguf_convert import ensure_default_model
         args.model = str(ensure_default_model())
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
     dtypes = args.dtypes.split(",")
     counts = request_counts(args.num_requests, dtypes)
     results = {"model": Path(args.model).name, "threads": torch.get_num_threads(), "cpu": cpu_name(),
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "attention_backend": args.attention_backend,
+               "cuda_graphs": device.type == "cuda" and not args.enforce_eager,
                "torch": torch.__version__, "load_avg_before": load_avg(), "runs": {}}
     profile_text = ""
     for dtype_name in dtypes:
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
         llm = LLM(args.model, dtype=dtype_name, kv_cache_memory=args.kv_cache_memory,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+        results["attention_backend"] = llm.engine.runner.backend.name
         reqs = workload(counts[dtype_name], llm.engine.vocab_size)
         llm.generate([reqs[0][0][:64]], SamplingParams(temperature=0, max_tokens=4))      # warm-up
         run = {"kaiten": run_kaiten(llm, reqs)}
         print(dtype_name, "kaiten", run["kaiten"], flush=True)
-        if llm.engine.runner.dtype == resolve_dtype("auto", torch.device("cpu")):   # the serving dtype
+        if llm.engine.runner.dtype == resolve_dtype("auto", device):   # the serving dtype
             profile_text = f"{dtype_name}:\n" + profile_kaiten(llm, reqs)
         del llm
-        model = hf_model(args.model, dtype)
-        model.generate(torch.tensor([reqs[0][0][:64]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model = hf_model(args.model, dtype, args.device)
+        model.generate(torch.tensor([reqs[0][0][:64]], device=device), max_new_tokens=4, do_sample=False, pad_token_id=0)
         run["hf_static16"] = run_hf_static(model, reqs)
         print(dtype_name, "hf_static16", run["hf_static16"], flush=True)
         n_single = args.hf_single_requests or len(reqs)
@@ -156,8 +168,8 @@ def main() -> None:
         results["runs"][dtype_name] = run
         del model
     results["load_avg_after"] = load_avg()
-    (RESULTS / "engine_throughput.json").write_text(json.dumps(results, indent=2))
-    (RESULTS / "engine_throughput.md").write_text(render(results, profile_text))
+    Path(f"{out}.json").write_text(json.dumps(results, indent=2))
+    Path(f"{out}.md").write_text(render(results, profile_text))
     print(render(results, profile_text))
 
 
@@ -172,8 +184,10 @@ def request_counts(spec: str, dtypes: list[str]) -> dict[str, int]:
 
 
 def render(results: dict, profile_text: str) -> str:
-    lines = [f"# Engine throughput: {results['model']}, {results['threads']} CPU threads on {results['cpu']}, "
-             f"torch {results['torch']}", "",
+    where = (f"{results['threads']} CPU threads on {results['cpu']}" if results.get("device", "cpu") == "cpu" else
+             f"{results['device']}, attention {results['attention_backend']}, "
+             f"CUDA graphs {'on' if results['cuda_graphs'] else 'off'}")
+    lines = [f"# Engine throughput: {results['model']}, {where}, torch {results['torch']}", "",
              "Prompts uniform in 32..512 tokens, outputs uniform in 16..256 tokens (ignore_eos), greedy. "
              f"1-minute load average before/after: {results['load_avg_before']} / {results['load_avg_after']}.",
              "",
