@@ -60,6 +60,11 @@ def check_config(cfg: dict) -> None:
     assert "deploy" not in services["engine-cpu"]
     assert services["engine-cpu"]["environment"]["KAITEN_DEVICE"] == "cpu"
     assert services["engine"]["environment"]["KAITEN_DEVICE"] == "cuda"
+    # The GPU engine has its own image: a CUDA base with the flash-attn extra; the CPU profile the plain one.
+    assert services["engine"]["image"] == "kaiten-gpu:latest"
+    assert services["engine"]["build"]["args"]["EXTRAS"] == "gpu"
+    assert "cuda" in services["engine"]["build"]["args"]["BASE_IMAGE"]
+    assert services["engine-cpu"]["image"] == "kaiten:latest" and "EXTRAS" not in services["engine-cpu"]["build"]["args"]
 
     # All configuration from the environment.
     for name in KAITEN_SERVICES & set(services):
