@@ -6,7 +6,7 @@ import logging
 import torch
 
 from engine_worker.cuda_graphs import DecodeGraphRunner
-from engine_worker.llama import LlamaForCausalLM, ModelConfig
+from engine_worker.llama import LlamaForCausalLM, ModelConfig, PackedLinear
 from engine_worker.scheduler import ScheduledBatch
 from kernels.interface import AttentionMetadata, get_attention_backend
 from shared.config import EngineConfig, parse_memory
@@ -65,6 +65,8 @@ class ModelRunner:
         self.model = LlamaForCausalLM(self.model_config).to(device=self.device, dtype=self.dtype)
         self.model.load_weights(model_dir)
         self.model.eval()
+        if config.pack_cpu_weights and PackedLinear.supported(self.device, self.dtype):
+            self.model.pack_for_cpu()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_blocks = self._num_blocks(self._kv_budget())
         self.kv_caches = self._allocate_kv_cache()

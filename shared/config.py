@@ -81,6 +81,7 @@ class EngineConfig(_EnvConfig):
     max_num_seqs: int = 256              # running batch cap
     max_model_len: int = 0               # 0: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    pack_cpu_weights: bool = True        # CPU fp32: projections on oneDNN-packed weights (faster decode)
     attention_backend: str = "auto"      # auto | torch | triton | flash_attn
     ENV_NAMES = {"model": "KAITEN_MODEL"}
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
+from engine_worker.llama import PackedLinear
 
 MAX_TOKENS = 24
 
@@ -80,8 +81,12 @@ def run_staggered(llm: LLM, prompts, params) -> dict[str, list[int]]:
     return [tokens[ids[i]] for i in range(len(prompts))]
 
 
-def test_greedy_matches_hf_all_at_once(tiny_model_dir, prompts, expected):
-    llm = make_llm(tiny_model_dir)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-weights", "plain-linear"])
+def test_greedy_matches_hf_all_at_once(tiny_model_dir, prompts, expected, packed):
+    """On the CPU in fp32 the projections run on oneDNN-packed weights by default; the plain
+    nn.Linear path (CUDA, bf16) must match HF as well."""
+    llm = make_llm(tiny_model_dir, pack_cpu_weights=packed)
+    assert any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules()) == packed
     got = llm.generate(prompts, greedy())
     assert [c.token_ids for c in got] == expected
     assert_all_blocks_released(llm)
