@@ -33,6 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import cpu_name, load_avg  # noqa: E402
+from bench.timing import median_ms  # noqa: E402
 from kernels.interface import AttentionMetadata  # noqa: E402
 from kernels.torch_attention import TorchAttention  # noqa: E402
 
@@ -88,17 +89,6 @@ def naive_attention(q, k_cache, v_cache, meta, scale):
         out[start:start + ql] = o.transpose(0, 1)
         start += ql
     return out
-
-
-def median_ms(fn, runs, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, min(times) * 1e3
 
 
 def _time_contenders(fns, runs, clock):

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,20 +21,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_name, load_avg  # noqa: E402
+from bench.timing import median_ms  # noqa: E402
 from engine_worker.llama import PackedLinear  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]   # (out, in)
-
-
-def median_ms(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 @torch.inference_mode()
@@ -53,8 +42,8 @@ def main() -> None:
     rows_out, before = [], load_avg()
     for rows in map(int, args.rows.split(",")):
         x = {i: torch.randn(rows, i) for i in (576, 1536)}
-        plain = median_ms(lambda: [F.linear(x[w.shape[1]], w) for w in weights], args.runs)
-        fast = median_ms(lambda: [p(x[w.shape[1]]) for w, p in zip(weights, packed)], args.runs)
+        plain, _ = median_ms(lambda: [F.linear(x[w.shape[1]], w) for w in weights], args.runs, warmup=1)
+        fast, _ = median_ms(lambda: [p(x[w.shape[1]]) for w, p in zip(weights, packed)], args.runs, warmup=1)
         err = max((F.linear(x[w.shape[1]], w) - p(x[w.shape[1]])).abs().max().item() for w, p in zip(weights[:4], packed[:4]))
         rows_out.append({"rows": rows, "linear_ms": plain, "packed_ms": fast, "speedup": plain / fast, "max_abs_diff": err})
         print(rows_out[-1], flush=True)
