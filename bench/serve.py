@@ -528,6 +528,10 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.url and not args.model:
         raise SystemExit("--url needs --model (the served model's directory: vocabulary and offline baseline)")
     args.out = Path(args.out or (ROOT / "bench" / "results" / ("serve.quick" if args.quick else "serve")))
+    try:
+        import matplotlib  # noqa: F401  (fail now, not after the whole run)
+    except ImportError:
+        raise SystemExit("bench/serve.py plots with matplotlib: pip install -e '.[bench]'") from None
     return args
 
 
