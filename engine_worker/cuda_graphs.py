@@ -77,9 +77,7 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per size, largest first, sharing one memory pool. Needs CUDA."""
-        pool = None
-        self.slot_mapping.fill_(-1)            # capture runs write no KV
-        self.seqlens_k.zero_()
+        pool = None                 # the buffers still hold slot -1 and empty contexts: no KV writes
         for size in reversed(self.sizes):
             ids, pos, meta = self._inputs(size)
             self.model(ids, pos, self.kv_caches, meta, self.backend)      # warm-up (Triton compiles)

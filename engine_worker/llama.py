@@ -187,7 +187,6 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)
 
-
     @torch.no_grad()
     def load_weights(self, model_dir: str | Path) -> None:
         """Load HF-named safetensors, fusing q/k/v and gate/up as they arrive."""
@@ -232,7 +231,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.out_features = weight.shape[0]
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 

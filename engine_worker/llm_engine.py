@@ -65,10 +65,7 @@ class LLMEngine:
         cfg = self.runner.model_config
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = cfg.eos_token_ids
-        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"{cfg.max_position_embeddings} positions")
+        self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)

@@ -68,12 +68,16 @@ class ModelRunner:
         if config.pack_cpu_weights and PackedLinear.supported(self.device, self.dtype):
             self.model.pack_for_cpu()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"{self.model_config.max_position_embeddings} positions")
         self.num_blocks = self._num_blocks(self._kv_budget())
         self.kv_caches = self._allocate_kv_cache()
         self.graphs: DecodeGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and not self.backend.cuda_graph_safe:
+        want_graphs = self.device.type == "cuda" and not config.enforce_eager
+        if want_graphs and not self.backend.cuda_graph_safe:
             log.warning("attention backend %s cannot run in CUDA graphs; decode runs eagerly", self.backend.name)
-        elif self.device.type == "cuda" and not config.enforce_eager:
+        elif want_graphs:
             self.graphs = DecodeGraphRunner(
                 self.model, self.kv_caches, self.backend,
                 max_batch=max(1, min(config.max_num_seqs, config.max_cuda_graph_batch)),
@@ -108,10 +112,9 @@ class ModelRunner:
                     torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
         scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
         tables, slots, first = [], [], 0
-        for n, nb in zip(lens, blocks):
-            table = list(range(first, first + nb))
-            tables.append(table + [0] * (max(blocks) - nb))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+        for n, nb in zip(lens, blocks):                 # each sequence on consecutive scratch blocks
+            tables.append(list(range(first, first + nb)) + [0] * (max(blocks) - nb))
+            slots.extend(range(first * bs, first * bs + n))
             first += nb
         dev = self.device
         cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
