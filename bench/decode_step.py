@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.engine_throughput import step_until_decoding  # noqa: E402
 from bench.machine import cpu_name  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
 
@@ -60,8 +61,7 @@ def measure(args) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
     for _ in range(args.batch):
         llm.submit([rng.randrange(3, engine.vocab_size) for _ in range(args.context)], params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
-        llm.step()
+    step_until_decoding(llm)
     for _ in range(3):                                   # warm-up decode steps
         llm.step()
     times = []

@@ -92,13 +92,20 @@ def run_kaiten(llm: LLM, reqs) -> dict:
             "peak_allocated_slots": peak["allocated_slots"], "preemptions": engine.scheduler.num_preemptions}
 
 
+def step_until_decoding(llm: LLM) -> None:
+    """Step until every submitted request has its whole prompt computed (the source queue drained
+    included): the steps after this are decode-only."""
+    engine = llm.engine
+    while (len(llm.source) or engine.scheduler.waiting
+           or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running)):
+        llm.step()
+
+
 def profile_kaiten(llm: LLM, reqs, top: int = 15) -> str:
     """Profile decode-heavy steps: all requests admitted, then 10 steps under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
     ids = [llm.submit(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p, n in reqs]
-    while llm.engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                              for s in llm.engine.scheduler.running):
-        llm.step()
+    step_until_decoding(llm)
     cuda = llm.engine.runner.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(10):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -528,10 +529,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.url and not args.model:
         raise SystemExit("--url needs --model (the served model's directory: vocabulary and offline baseline)")
     args.out = Path(args.out or (ROOT / "bench" / "results" / ("serve.quick" if args.quick else "serve")))
-    try:
-        import matplotlib  # noqa: F401  (fail now, not after the whole run)
-    except ImportError:
-        raise SystemExit("bench/serve.py plots with matplotlib: pip install -e '.[bench]'") from None
+    if importlib.util.find_spec("matplotlib") is None:      # fail now, not after the whole run
+        raise SystemExit("bench/serve.py plots with matplotlib: pip install -e '.[bench]'")
     return args
 
 
