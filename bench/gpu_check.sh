@@ -10,9 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-[ -x .venv/bin/python ] || bash scripts/setup.sh test
+bash scripts/setup.sh test          # .venv with the test extras (Triton); a no-op when current
 PY=.venv/bin/python
-$PY -m pip install -q -e ".[test]"
 # flash-attn builds from source where no wheel matches; it is optional here.
 $PY -c "import flash_attn" 2>/dev/null || $PY -m pip install -q -e ".[gpu]" --no-build-isolation \
   || echo "gpu_check: flash-attn could not be installed; its rows are skipped" >&2

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from shared import names
-from tests.engine_support import WorkerThread as EngineWorkerThread, wait_until
+from tests.engine_support import WorkerThread, wait_until
 from tests.redis_server import RedisServer
 from tests.test_gateway import BAD_REQUESTS, _is_openai_error
 from tests.test_gateway_support import post_stream, start_gateway
@@ -33,9 +33,9 @@ CHAT = [{"role": "user", "content": "How are you today?"}]
 
 
 # ---------------------------------------------------------------------- helpers
-def WorkerThread(url, model_dir, engine_id, **kw) -> EngineWorkerThread:
+def e2e_worker(url, model_dir, engine_id, **kw) -> WorkerThread:
     """A worker that gateways give up on quickly (heartbeat TTL 1.5 s) and that drains briefly."""
-    return EngineWorkerThread(url, model_dir, engine_id, **({"heartbeat_ttl": 1.5, "drain_timeout": 2.0} | kw))
+    return WorkerThread(url, model_dir, engine_id, **({"heartbeat_ttl": 1.5, "drain_timeout": 2.0} | kw))
 
 
 def openai_client(srv):
@@ -62,7 +62,7 @@ def reference(tiny_model_dir):
 def stack(tiny_model_dir):
     """One Redis, one engine worker, one gateway for the ordinary tests."""
     server = RedisServer().start()
-    w = WorkerThread(server.url, tiny_model_dir, "e2e-main").start()
+    w = e2e_worker(server.url, tiny_model_dir, "e2e-main").start()
     srv = start_gateway(server.url, tiny_model_dir, engine_timeout=3.0)
     wait_until(lambda: srv.gw.monitor.live_engines(), 10)
     yield {"server": server, "worker": w, "srv": srv, "r": redis.Redis.from_url(server.url),
@@ -228,7 +228,7 @@ def test_models_ready_status_metrics(stack):
 # ---------------------------------------------------------------------- two gateways, two engines
 def test_two_gateways_two_engines_40_concurrent_streams(tiny_model_dir, reference):
     server = RedisServer().start()
-    workers = [WorkerThread(server.url, tiny_model_dir, f"e2e-w{i}", engine_kw={"max_num_seqs": 8}).start()
+    workers = [e2e_worker(server.url, tiny_model_dir, f"e2e-w{i}", engine_kw={"max_num_seqs": 8}).start()
                for i in range(2)]
     gws = [start_gateway(server.url, tiny_model_dir) for _ in range(2)]
     try:
@@ -298,7 +298,7 @@ def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_m
         assert proc.poll() is None
         wait_until(lambda: srv.gw.monitor.live_engines(), 10)
         # The survivor is loaded now but starts consuming only after the victim holds requests.
-        survivor = WorkerThread(server.url, tiny_model_dir, "survivor")
+        survivor = e2e_worker(server.url, tiny_model_dir, "survivor")
         long_results: dict[int, list] = {}
         first_token = [threading.Event(), threading.Event()]
 
@@ -353,7 +353,7 @@ def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_m
 
 def test_redis_restart_empty_recovers_without_restarts(tiny_model_dir, reference):
     server = RedisServer().start()
-    w = WorkerThread(server.url, tiny_model_dir, "e2e-restart").start()
+    w = e2e_worker(server.url, tiny_model_dir, "e2e-restart").start()
     srv = start_gateway(server.url, tiny_model_dir, engine_timeout=2.0)
     try:
         with httpx.Client(base_url=srv.url, trust_env=False, timeout=30) as c:
