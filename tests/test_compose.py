@@ -134,6 +134,9 @@ def test_dockerfile_matches_the_package():
         pkg = pkg.rstrip("*")
         assert re.search(rf"^COPY {pkg} ", text, re.M), f"Dockerfile does not copy {pkg}/"
     assert 'ENTRYPOINT ["kaiten"]' in text
+    # EXTRAS (the GPU image's flash-attn) come from pyproject's optional dependencies, installed
+    # with the other dependencies: the package itself goes in with --no-deps, which skips extras.
+    assert 'project["optional-dependencies"][e]' in text and 'os.environ.get("EXTRAS"' in text
 
 
 def test_nginx_conf_directives():
