@@ -1,8 +1,7 @@
 """The Kaiten engine: paged KV cache, continuous batching, and the offline API."""
 from engine_worker.llm_engine import EngineStats, LLMEngine, RequestOutput
 from engine_worker.offline import LLM, Completion
-from engine_worker.request_source import NewRequest, QueueRequestSource, RequestSource
 from engine_worker.sampling_params import SamplingParams
 
-__all__ = ["LLM", "Completion", "LLMEngine", "EngineStats", "RequestOutput", "NewRequest",
-           "QueueRequestSource", "RequestSource", "SamplingParams"]
+__all__ = ["LLM", "Completion", "LLMEngine", "EngineStats", "RequestOutput",
+           "SamplingParams"]

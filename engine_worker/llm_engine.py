@@ -1,4 +1,8 @@
-"""The engine: admit requests, schedule a step, run it, sample, and report what changed."""
+"""The engine: admit requests, schedule a step, run it, sample, and report what changed.
+
+The core knows nothing about where requests come from: callers ``add_request`` and
+``abort_request``, then ``step()`` (schedule -> run -> postprocess) returns what each request got.
+"""
 from __future__ import annotations
 
 import logging
@@ -10,7 +14,6 @@ import torch
 
 from engine_worker.block_manager import BlockManager
 from engine_worker.model_runner import ModelRunner
-from engine_worker.request_source import NewRequest, RequestSource
 from engine_worker.sampler import Sampler
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler import ScheduledBatch, Scheduler
@@ -54,12 +57,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, source: RequestSource | None = None):
+    def __init__(self, config: EngineConfig):
         if not config.model:
             from shared.gguf_convert import ensure_default_model
             config = config.with_overrides(model=str(ensure_default_model()))
+        config = config.with_overrides(max_num_batched_tokens=config.token_budget())
         self.config = config
-        self.source = source
         self.model_name = Path(config.model).name
         self.runner = ModelRunner(config, config.model)
         cfg = self.runner.model_config
@@ -81,7 +84,8 @@ class LLMEngine:
 
     # ---- admission ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError, leaving the engine untouched, for invalid input."""
+        """Queue a request for the next step. Raises ValueError, leaving the engine untouched, for
+        invalid input."""
         params.validate()
         self._validate_prompt(prompt_token_ids, params)
         if self.scheduler.find(request_id) is not None:
@@ -129,29 +133,14 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.source is not None:
-            new, aborts = self.source.poll(self.free_capacity())
-            for request_id in aborts:
-                self.abort_request(request_id)
-            for request in new:
-                self._admit(request)
+        """One iteration: schedule, run the model, sample; returns every request's news since the
+        last step (aborts included)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
         if batch.seqs:
             outputs.extend(self._run(batch))
         self.step_count += 1
         return outputs
-
-    def _admit(self, request: NewRequest) -> None:
-        try:
-            params = request.params
-            if isinstance(params, dict):
-                params = SamplingParams.from_dict(params)
-            self.add_request(request.request_id, request.prompt_token_ids, params)
-        except (ValueError, TypeError) as e:
-            self._pending_outputs.append(RequestOutput(
-                request.request_id, [], None, "error", str(e), len(request.prompt_token_ids or []), 0, 0,
-                {"queued": time.time(), "finished": time.time()}))
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         # Sample only for sequences whose whole context is computed after this step.

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
+from engine_worker.compiled_forward import CompiledForward
 from engine_worker.cuda_graphs import DecodeGraphRunner
-from engine_worker.llama import LlamaForCausalLM, ModelConfig, PackedLinear
+from engine_worker.llama import LlamaForCausalLM, ModelConfig, PackedLinear, cpu_has_native_bf16
 from engine_worker.scheduler import ScheduledBatch
 from kernels.interface import AttentionMetadata, get_attention_backend
 from shared.config import EngineConfig, parse_memory
@@ -28,14 +30,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose auto or one of {sorted(DTYPES)}") from None
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def kv_budget_from_profile(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
@@ -74,6 +68,10 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(self._kv_budget())
         self.kv_caches = self._allocate_kv_cache()
         self.graphs: DecodeGraphRunner | None = None
+        self.compiled: CompiledForward | None = None
+        if self.device.type == "cpu" and not config.enforce_eager:
+            self.compiled = CompiledForward(self.model, self.kv_caches, self.backend)
+            self.compiled.warm_up()
         want_graphs = self.device.type == "cuda" and not config.enforce_eager
         if want_graphs and not self.backend.cuda_graph_safe:
             log.warning("attention backend %s cannot run in CUDA graphs; decode runs eagerly", self.backend.name)
@@ -152,32 +150,33 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Pack the step's new tokens of every sequence, with positions, slots and block tables."""
+        """Pack the step's new tokens of every sequence, with positions, slots and block tables.
+        Per-token values (positions, slots) come from numpy ops over the batch, not Python loops."""
+        seqs, qlens = batch.seqs, batch.num_new_tokens
+        klens = [seq.num_computed_tokens + n for seq, n in zip(seqs, qlens)]
+        input_ids: list[int] = []
+        for seq, n, end in zip(seqs, qlens, klens):
+            input_ids += seq.token_ids[end - n:end]
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.array([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], dtype=np.int32)
+        q = np.array(qlens, dtype=np.int64)
+        k = np.array(klens, dtype=np.int32)
+        cu = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(q, out=cu[1:])
+        if len(input_ids) == len(seqs):      # decode-only: one token per sequence, at klens - 1
+            seq_of_token, positions = np.arange(len(seqs)), k.astype(np.int64) - 1
+        else:                                # token t of sequence i sits at klens[i] - qlens[i] + t - cu[i]
+            seq_of_token = np.repeat(np.arange(len(seqs)), q)
+            positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(k - q - cu[:-1], q)
         bs = self.block_size
-        input_ids, positions, slots, cu_q, seqlens_q, seqlens_k = [], [], [], [0], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_q.append(cu_q[-1] + n)
-            seqlens_q.append(n)
-            seqlens_k.append(end)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
         meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            seqlens_k=torch.tensor(seqlens_k, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-            seqlens_q_list=seqlens_q, seqlens_k_list=seqlens_k,
-        )
+            cu_seqlens_q=torch.from_numpy(cu).to(dev), seqlens_k=torch.from_numpy(k).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
+            max_seqlen_q=max(qlens), max_seqlen_k=max(klens), seqlens_q_list=qlens, seqlens_k_list=klens)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta
+        return ids, torch.from_numpy(positions).to(dev), meta
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
@@ -186,6 +185,8 @@ class ModelRunner:
         ids, pos, meta = self.prepare(batch)
         if self.graphs is not None and meta.is_decode_only and meta.num_seqs <= self.graphs.max_batch:
             hidden = self.graphs.run(ids, pos, meta)
+        elif self.compiled is not None:
+            hidden = self.compiled(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
         last = meta.cu_seqlens_q[1:].long() - 1

@@ -6,7 +6,6 @@ import itertools
 from dataclasses import dataclass, field
 
 from engine_worker.llm_engine import LLMEngine, RequestOutput
-from engine_worker.request_source import NewRequest, QueueRequestSource
 from engine_worker.sampling_params import SamplingParams
 from shared.config import EngineConfig
 
@@ -26,8 +25,7 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str = "", **engine_args):
-        self.source = QueueRequestSource()
-        self.engine = LLMEngine(EngineConfig(model=model).with_overrides(**engine_args), self.source)
+        self.engine = LLMEngine(EngineConfig(model=model).with_overrides(**engine_args))
         self._tokenizer = None
         self._ids = itertools.count()
 
@@ -47,13 +45,9 @@ class LLM:
         return self.generate([list(ids)], params)[0]
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> str:
-        """Queue one request; the next step()s pick it up. Returns its request id."""
+        """Queue one request for the next step(). Returns its request id; ValueError if invalid."""
         request_id = f"offline-{next(self._ids)}"
-        params = params or SamplingParams()
-        params.validate()
-        ids = self.encode(prompt)
-        self.engine._validate_prompt(ids, params)
-        self.source.put(NewRequest(request_id, ids, params))
+        self.engine.add_request(request_id, self.encode(prompt), params or SamplingParams())
         return request_id
 
     def step(self) -> list[RequestOutput]:

@@ -1,4 +1,4 @@
-"""Vectorised sampling over the batch: penalties, temperature, top-k, top-p, seeds, logprobs.
+"""Vectorised sampling over the batch: repetition/presence/frequency penalties, temperature, top-k, top-p, seeds, logprobs.
 
 A seeded request draws its noise from its own generator, one draw per sampled token, so its tokens
 are the same whatever batch it runs in. Sampling uses the exponential race: argmax(p / E) with
@@ -35,16 +35,28 @@ class Sampler:
         return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, params))
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        if not any(s.params.presence_penalty or s.params.frequency_penalty for s in seqs):
+        """Repetition penalty (HF/vLLM: tokens in the prompt or output get positive logits divided by
+        it, negative ones multiplied), then presence/frequency penalties (output tokens only)."""
+        params = [s.params for s in seqs]
+        rep = any(p.repetition_penalty != 1.0 for p in params)
+        additive = any(p.presence_penalty or p.frequency_penalty for p in params)
+        if not rep and not additive:
             return logits
-        counts = torch.zeros_like(logits)
-        for row, seq in enumerate(seqs):
-            out = seq.output_token_ids
-            if out:
-                counts[row].index_add_(0, torch.tensor(out), torch.ones(len(out)))
-        freq = torch.tensor([s.params.frequency_penalty for s in seqs]).unsqueeze(1)
-        pres = torch.tensor([s.params.presence_penalty for s in seqs]).unsqueeze(1)
-        return logits - freq * counts - pres * (counts > 0).float()
+        dev = logits.device
+        if rep:
+            rows, ids = _flat_tokens([s.token_ids for s in seqs], dev)
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[rows, ids] = True
+            pen = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
+            logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+        if additive:
+            rows, ids = _flat_tokens([s.output_token_ids for s in seqs], dev)
+            counts = torch.zeros_like(logits)
+            counts.index_put_((rows, ids), torch.ones_like(ids, dtype=logits.dtype), accumulate=True)
+            freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
+            pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
+            logits = logits - freq * counts - pres * (counts > 0).to(logits.dtype)
+        return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]
@@ -90,3 +102,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     mask |= mass_before >= top_p.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _flat_tokens(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every token of every row, as two flat tensors (one copy each)."""
+    lens = torch.tensor([len(t) for t in token_lists])
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lens)
+    ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
+    return rows.to(device), ids.to(device)

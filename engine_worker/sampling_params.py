@@ -17,6 +17,7 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0     # in [-2, 2], as in the OpenAI API
     frequency_penalty: float = 0.0    # in [-2, 2]
+    repetition_penalty: float = 1.0   # > 0; 1 is off (HF/vLLM: prompt and output tokens' logits)
     logprobs: int | None = None       # None: none; N: the sampled token's logprob plus the top N
 
     def validate(self) -> None:
@@ -33,6 +34,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not -2 <= v <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not (0 < rp < float("inf")):
+            raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):

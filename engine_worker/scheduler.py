@@ -37,22 +37,18 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}       # every waiting or running sequence
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.by_id[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def find(self, request_id: str) -> Sequence | None:
-        for seq in self.running:
-            if seq.request_id == request_id:
-                return seq
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                return seq
-        return None
+        return self.by_id.get(request_id)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the queues and free its blocks."""
@@ -60,6 +56,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        self.by_id.pop(seq.request_id, None)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -9,16 +9,15 @@ Configuration: ``EngineConfig.from_env()`` and ``WorkerConfig.from_env()`` (``KA
 The loop (``EngineWorker.run``)::
 
     while running:
-        if the engine has work:
-            outputs = engine.step()      # step() calls source.poll(); the previous round trip
-            source.on_outputs(outputs)   #   runs on the I/O thread meanwhile
-        source.finish_round()            # collect it (normally done already): new requests, aborts
-        source.start_round(...)          # ONE Redis round trip: publish this step's tokens (one
-                                         # message per gateway), XACK finished requests, heartbeat,
-                                         # read aborts, XREADGROUP new requests (non-blocking; BLOCK
-                                         # ~100 ms when the engine is idle, and then waited for)
+        arrivals = inbox.take()          # what the reader threads got during the last step
+        apply(arrivals)                  # engine.add_request / engine.abort_request
+        outputs = engine.step()          # schedule -> run -> postprocess
+        publisher.add(outputs)           # deltas, finished entries
+        round.start(publisher.take())    # ONE pipeline on the I/O thread, during the next step
 
-See ``engine_worker/redis_source.py`` for the Redis side (janitor, dead letters, outages).
+Around it, each thread with its own Redis connection (none ever waits for a step):
+``stream_reader`` (new requests, aborts), ``heartbeat``, ``janitor`` (dead consumers' entries),
+``orphan_watch`` (dead gateways, deadlines). A request read during step k is admitted in step k+1.
 """
 from __future__ import annotations
 
@@ -30,59 +29,91 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+import uuid
 
+from engine_worker.consumer_id import choose_engine_id, default_engine_id
+from engine_worker.held import BoundedSet, HeldRequest, HeldRequests
+from engine_worker.heartbeat import Heartbeat
+from engine_worker.inbox import Arrivals, Inbox, StreamEntry
+from engine_worker.intake import RejectedEntry, dead_letter_fields, decode_entry, salvage_ids
+from engine_worker.io_round import IoRound, RoundResult
+from engine_worker.janitor import Janitor
+from engine_worker.orphan_watch import OrphanWatch
+from engine_worker.publisher import Outgoing, Publisher
+from engine_worker.sampling_params import SamplingParams
+from engine_worker.stream_reader import AbortReader, RequestReader
+from engine_worker.worker_stats import Counters, LatencyStats
+from shared import names
 from shared.config import EngineConfig, WorkerConfig
+from shared.redis_conn import min_socket_timeout_for_block, redis_client
 
 log = logging.getLogger("kaiten.worker")
 
 LOG_INTERVAL = 60.0
+RECENT_ABORTS_MAX = 20_000
+STOP_ERRORS = {"deadline": "the request's deadline passed"}
 
 
 class EngineWorker:
-    """An ``LLMEngine`` driven by a ``RedisRequestSource``. ``run()`` until ``stop()``."""
+    """An ``LLMEngine`` fed from Redis. ``run()`` until ``stop()``."""
 
-    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, *, engine=None,
-                 client=None):
-        from engine_worker.redis_source import RedisRequestSource, SyncStats
-        from shared.redis_conn import min_socket_timeout_for_block, redis_client
-
+    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, *, engine=None):
+        self.cfg = cfg = worker_config
         self.engine_config = engine_config
-        self.cfg = worker_config
-        if client is None:
-            # No client-level retries: the loop handles outages itself and must never stall long.
-            client = redis_client(worker_config.redis_url, retries=0, socket_connect_timeout=1.0,
-                                  socket_timeout=max(2.0, min_socket_timeout_for_block(worker_config.idle_block_ms)),
-                                  client_name="kaiten-engine")
-        self.redis = client
-        self.source = RedisRequestSource(client, worker_config, idle_block_ms=worker_config.idle_block_ms,
-                                         io_thread=worker_config.io_thread)
         if engine is None:
             from engine_worker.llm_engine import LLMEngine
-            engine = LLMEngine(engine_config, source=self.source)
-        else:
-            engine.source = self.source
+            engine = LLMEngine(engine_config)
         self.engine = engine
-        self.step_stats = SyncStats()       # engine.step() wall time, for comparison
+        self.explicit_id = bool(cfg.engine_id)
+        self.engine_id = cfg.engine_id or default_engine_id()
+        self.instance = uuid.uuid4().hex[:12]
+        self.counters = Counters()
+        self.inbox = Inbox()
+        self.held = HeldRequests()
+        self.recent_aborts = BoundedSet(RECENT_ABORTS_MAX)
+        self.publisher = Publisher(self.engine_id)
+        self.round = IoRound(self._client("round"), cfg.io_thread)
+        self.requests = RequestReader(self._client("requests", blocking=True), self.inbox, cfg, self.counters)
+        self.aborts = AbortReader(self._client("aborts", blocking=True), self.inbox, cfg, self.counters)
+        self.heartbeat = Heartbeat(self._client("heartbeat"), self.instance, cfg.heartbeat_interval,
+                                   cfg.heartbeat_ttl, cfg.loop_stall_timeout, self._static_facts())
+        self.janitor = Janitor(self._client("janitor"), self.inbox, self.held, cfg, self.counters)
+        self.orphans = OrphanWatch(self._client("orphans"), self.inbox, self.held, cfg.orphan_check_interval)
+        self.step_stats = LatencyStats()        # engine.step() wall time
+        self.round_stats = LatencyStats()       # the per-step Redis round trip (on the I/O thread)
+        self.redis_up = True
+        self._retry_at = 0.0
+        self._backoff = 0.0
+        self._queued = Outgoing()               # encoded, waiting for the round in flight
+        self._stop_errors: dict[str, str] = {}  # request id -> error text of a deadline abort
         self._stop = threading.Event()
         self._drain_deadline: float | None = None
+        self.accepting = True
         self.started = threading.Event()
         self.exited = threading.Event()
 
-    @property
-    def engine_id(self) -> str:
-        return self.source.engine_id
+    def _client(self, role: str, blocking: bool = False):
+        """One connection per job. No client-level retries: each job handles outages itself."""
+        timeout = max(2.0, min_socket_timeout_for_block(self.cfg.idle_block_ms)) if blocking else 2.0
+        return redis_client(self.cfg.redis_url, retries=0, socket_connect_timeout=1.0, socket_timeout=timeout,
+                            client_name=f"kaiten-engine-{role}", max_connections=4)
+
+    def _static_facts(self) -> dict:
+        e = self.engine
+        return {"model": e.model_name, "max_model_len": int(e.max_model_len),
+                "vocab_size": int(getattr(e, "vocab_size", 0)),
+                "dtype": self.engine_config.dtype, "device": self.engine_config.device}
 
     # ------------------------------------------------------------------ control
     def stop(self, drain: bool = True) -> None:
         """Stop taking requests; finish in-flight ones for up to drain_timeout (if drain), then exit."""
         if drain and self._drain_deadline is None and not self._stop.is_set():
             self._drain_deadline = time.monotonic() + self.cfg.drain_timeout
-            self.source.accepting = False
-            log.info("draining: no new requests; %d in flight (up to %.0f s)", self.source.num_held(),
-                     self.cfg.drain_timeout)
+            self.accepting = self.requests.accepting = False
+            log.info("draining: no new requests; %d in flight (up to %.0f s)", len(self.held), self.cfg.drain_timeout)
         else:
             self._stop.set()
+        self.inbox.wake.set()
 
     def install_signal_handlers(self) -> None:
         def handler(signum, frame):
@@ -95,112 +126,229 @@ class EngineWorker:
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
-    # ------------------------------------------------------------------ heartbeat facts
-    def _static_heartbeat(self) -> dict[str, Any]:
-        e = self.engine
-        return {"model": e.model_name, "max_model_len": int(e.max_model_len),
-                "vocab_size": int(getattr(e, "vocab_size", 0)),
-                "dtype": self.engine_config.dtype, "device": self.engine_config.device}
-
-    def _stats(self):
-        st = self.engine.stats()
-        self.source.heartbeat_fields["capacity"] = max(0, int(self.engine.free_capacity()) - len(self.source))
-        return st
-
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ start
     def _connect(self) -> None:
-        """Start the source, retrying while Redis is down (so a worker may start before Redis)."""
+        """Name the consumer, start every thread; retried while Redis is down (so a worker may
+        start before Redis)."""
         delay = 0.1
         while not self._stop.is_set():
             try:
-                self.source.start()
-                return
+                self.engine_id = choose_engine_id(self.requests.r, self.engine_id, self.explicit_id, self.instance,
+                                                  self.cfg.heartbeat_interval)
+                self.publisher.engine_id = self.engine_id
+                self.heartbeat.engine_id = self.engine_id
+                self.heartbeat.update(self._live_stats())
+                self.heartbeat.write()          # registers the name at once
+                self.aborts.prepare()
+                self.requests.prepare(self.engine_id)
+                break
             except Exception as e:   # connection errors, a Redis still loading, ...
                 log.warning("cannot start on Redis (%s: %s); retrying in %.1f s", type(e).__name__, e, delay)
                 self._stop.wait(delay)
                 delay = min(self.cfg.redis_retry_max, delay * 2)
+        else:
+            return
+        self.aborts.start_thread()
+        self.requests.start_thread()
+        self.heartbeat.start(self.engine_id)
+        self.janitor.start(self.engine_id)
+        self.orphans.start()
+        log.info("engine %s: consuming %s as %r in group %r", self.instance, names.REQUEST_STREAM, self.engine_id,
+                 names.ENGINE_GROUP)
 
+    # ------------------------------------------------------------------ the loop
     def run(self) -> int:
-        src, engine = self.source, self.engine
-        src.heartbeat_fields.update(self._static_heartbeat())
+        engine = self.engine
         self._connect()
         if self._stop.is_set():
+            self._shutdown()
             return 0
-        try:
-            src.write_heartbeat(self._stats())
-        except Exception as e:
-            log.warning("heartbeat failed: %s", e)
         self.started.set()
-        log.info("engine %r serving model %s (max_model_len %d)", self.engine_id, engine.model_name,
-                 engine.max_model_len)
+        log.info("engine %r serving model %s (max_model_len %d, %d tokens per step)", self.engine_id,
+                 engine.model_name, engine.max_model_len, engine.config.max_num_batched_tokens)
         last_log = time.monotonic()
         try:
             while not self._stop.is_set():
-                if engine.has_unfinished() or src.has_buffered():
+                self._apply(self.inbox.take())
+                if engine.has_unfinished():
                     t0 = time.perf_counter()
-                    outputs = engine.step()          # the previous round trip runs meanwhile
+                    outputs = engine.step()
                     self.step_stats.add(time.perf_counter() - t0)
-                    src.on_outputs(outputs)
-                src.finish_round()                   # normally done already: no wait
-                busy = engine.has_unfinished() or src.has_buffered()
-                if self._drain_deadline is not None:
-                    if src.num_held() == 0 and not src.has_outgoing():
-                        break
-                    if time.monotonic() > self._drain_deadline:
-                        log.warning("drain timeout: %d requests still in flight", src.num_held())
-                        break
-                capacity = max(0, engine.free_capacity() - len(src))
-                started = src.start_round(capacity, block=not busy, engine_stats=self._stats_if_due())
-                if not busy:
-                    if started:
-                        src.finish_round()           # idle: wait for the blocking read
-                        if capacity == 0:            # nothing was read, so nothing blocked
-                            self._stop.wait(self.cfg.idle_block_ms / 1000)
-                    else:                            # Redis down and nothing to compute
-                        self._stop.wait(min(0.1, max(0.005, src.retry_delay())))
+                    self._route(outputs)
+                self.held.publish()
+                self.inbox.set_capacity(engine.free_capacity() if self.accepting else 0)
+                self.heartbeat.update(self._live_stats())
+                self._flush()
+                if self._drain_deadline is not None and self._drained():
+                    break
+                if not engine.has_unfinished():
+                    self.inbox.wait(0.01 if self._has_outgoing() else 0.1)
                 if time.monotonic() - last_log > LOG_INTERVAL:
                     last_log = time.monotonic()
-                    log.info("%s; counters %s", self.overhead_report(), src.counters)
+                    log.info("%s; counters %s", self.overhead_report(), self.counters)
         finally:
             self._shutdown()
         return 0
 
-    def _stats_if_due(self):
-        if time.monotonic() - self.source._last_heartbeat >= self.cfg.heartbeat_interval:
-            return self._stats()
-        return None
+    def _drained(self) -> bool:
+        if len(self.held) == 0 and not self._has_outgoing():
+            return True
+        if time.monotonic() > self._drain_deadline:
+            log.warning("drain timeout: %d requests still in flight", len(self.held))
+            return True
+        return False
 
-    def _shutdown(self) -> None:
-        src = self.source
+    def _live_stats(self) -> dict:
+        st = dataclasses.asdict(self.engine.stats())
+        st["capacity"] = int(self.engine.free_capacity()) if self.accepting else 0
+        st["accepting"] = self.accepting
+        return st
+
+    # ------------------------------------------------------------------ arrivals
+    def _apply(self, arrivals: Arrivals) -> None:
+        for entry in arrivals.entries:
+            self._admit(entry)
+        for rid in arrivals.aborts:
+            self._abort(rid)
+        for stop in arrivals.stops:
+            if self.held.get(stop.request_id) is not None and self.engine.abort_request(stop.request_id):
+                self.counters.add("stopped_" + stop.reason)
+                if stop.reason in STOP_ERRORS:
+                    self._stop_errors[stop.request_id] = STOP_ERRORS[stop.reason]
+
+    def _admit(self, entry: StreamEntry) -> None:
+        """Take one stream entry: into the engine, or answered/dead-lettered and deleted. Never raises."""
+        pub = self.publisher
+        if entry.fields is None:           # deleted while pending
+            pub.done(entry.entry_id)
+            return
         try:
-            src.finish_round()
-            # Requests that already streamed tokens end with an error; the rest stay pending in the
-            # stream for another engine (or this one, restarted) to take over.
-            for rid in src.started_requests():
-                src.error_request(rid, "the engine shut down")
-                self.engine.abort_request(rid)
-            src.accepting = False
-            for _ in range(3):
-                if src.sync(0, block=False) and not src.has_outgoing():
-                    break
-                time.sleep(0.05)
-            src.delete_heartbeat()
-        except Exception as e:
-            log.warning("shutdown: could not reach Redis: %s", e)
-        src.close()
+            msg = decode_entry(entry, self.cfg.max_deliveries)
+            rid = msg.request_id
+            held = self.held.get(rid)
+            if held is not None:
+                if held.entry_id != entry.entry_id:
+                    self._reject(entry, RejectedEntry(f"duplicate request_id {rid!r} already in progress"))
+                return
+            if rid in self.recent_aborts:
+                pub.done(entry.entry_id)
+                pub.terminal(msg.reply_to, rid, "abort")
+                return
+            if msg.deadline is not None and time.time() > msg.deadline:
+                pub.done(entry.entry_id)
+                pub.terminal(msg.reply_to, rid, "error", "the request's deadline passed before an engine started it")
+                return
+            try:
+                self.engine.add_request(rid, msg.prompt_token_ids, SamplingParams.from_dict(msg.params))
+            except (ValueError, TypeError) as e:
+                pub.done(entry.entry_id)
+                pub.terminal(msg.reply_to, rid, "error", str(e))
+                return
+            self.held.add(HeldRequest(rid, entry.entry_id, msg.reply_to, msg.deadline))
+            self.counters.add("requests")
+            if entry.source != "new":
+                log.info("took over request %s (entry %s, %s, delivery %d)", rid, entry.entry_id.decode(),
+                         entry.source, entry.deliveries)
+        except RejectedEntry as e:
+            self._reject(entry, e)
+        except Exception as e:   # a bug or an input nobody foresaw must not stop the loop
+            log.exception("entry %s could not be handled", entry.entry_id.decode(errors="replace"))
+            rid, reply_to = salvage_ids((entry.fields or {}).get(names.PAYLOAD_FIELD))
+            if rid is not None and self.held.get(rid) is not None:
+                rid = reply_to = None        # already held: leave that request alone
+            self._reject(entry, RejectedEntry(f"could not be handled: {type(e).__name__}: {e}", rid, reply_to))
+
+    def _reject(self, entry: StreamEntry, e: RejectedEntry) -> None:
+        log.warning("dead-lettering entry %s: %s", entry.entry_id.decode(errors="replace"), e.reason)
+        self.publisher.dead_letter(dead_letter_fields(entry, e.reason, self.engine_id, e.request_id))
+        self.publisher.done(entry.entry_id)
+        self.counters.add("dead_lettered")
+        if e.request_id and e.reply_to:
+            self.publisher.terminal(e.reply_to, e.request_id, "error", e.reason)
+
+    def _abort(self, rid: str) -> None:
+        self.recent_aborts.add(rid)
+        if self.held.get(rid) is not None and self.engine.abort_request(rid):
+            self.counters.add("aborts")   # the engine freed its blocks; "abort" comes with the step
+
+    # ------------------------------------------------------------------ outputs
+    def _route(self, outputs) -> None:
+        for o in outputs:
+            h = self.held.get(o.request_id)
+            if h is None:
+                log.error("engine output for unknown request %r", o.request_id)
+                continue
+            if o.finish_reason is not None:
+                if o.request_id in self._stop_errors:
+                    o.finish_reason, o.error = "error", self._stop_errors.pop(o.request_id)
+                self.held.pop(o.request_id)
+                self.publisher.done(h.entry_id)
+            self.publisher.add(h.reply_to, o)
+
+    def _flush(self, wait: float | None = 0.0) -> None:
+        """Encode this step's messages (one per gateway) and send them in a round, with those of
+        earlier steps whose round could not start yet (one still in flight). While Redis is down,
+        deltas stay unencoded in the publisher, merged per request, until the next retry."""
+        res = self.round.poll(wait)
+        if res is not None:
+            self._collect(res)
+        if not self.redis_up and time.monotonic() < self._retry_at:
+            return
+        if self.publisher.has_outgoing():
+            self._queued = self._queued + self.publisher.take()
+        if self._queued and not self.round.in_flight():
+            out, self._queued = self._queued, Outgoing()
+            self.round.start(out)
+
+    def _has_outgoing(self) -> bool:
+        return self.publisher.has_outgoing() or bool(self._queued) or self.round.in_flight()
+
+    def _collect(self, res: RoundResult) -> None:
+        if res.error is not None:
+            self.publisher.put_back(res.sent + self._queued)    # re-sent first, same seqs
+            self._queued = Outgoing()
+            self.counters.add("redis_errors")
+            self._backoff = min(self.cfg.redis_retry_max, max(0.1, self._backoff * 2))
+            self._retry_at = time.monotonic() + self._backoff
+            if self.redis_up:
+                log.warning("Redis unavailable (%s: %s); the engine keeps its in-flight work, retrying",
+                            type(res.error).__name__, res.error)
+            self.redis_up = False
+            return
+        if not self.redis_up:
+            log.warning("Redis is reachable again")
+            self.redis_up, self._backoff = True, 0.0
+        for err in res.command_errors:
+            log.warning("Redis round: %s", err)
+        self.counters.add("messages", len(res.sent.messages))
+        self.round_stats.add(res.rtt)
+
+    # ------------------------------------------------------------------ stop
+    def _shutdown(self) -> None:
+        self.accepting = self.requests.accepting = False
+        self.requests.stop()
+        # Requests that already streamed tokens end with an error; the rest stay pending in the
+        # stream for another engine (or this one, restarted) to take over from the start.
+        for h in self.held.all():
+            if self.publisher.started(h.request_id, h.reply_to):
+                self.engine.abort_request(h.request_id)
+                self.held.pop(h.request_id)
+                self.publisher.done(h.entry_id)
+                self.publisher.terminal(h.reply_to, h.request_id, "error", "the engine shut down")
+        for _ in range(4):
+            self._flush(wait=2.0)
+            if not self._has_outgoing():
+                break
+            time.sleep(0.05)
+        for job in (self.aborts, self.janitor, self.orphans):
+            job.stop()
+        self.heartbeat.stop(delete=self.started.is_set())
+        self.round.close()
         log.info("engine %r stopped; %s", self.engine_id, self.overhead_report())
         self.exited.set()
 
-
     def overhead_report(self) -> str:
-        """Per step: the engine loop's Redis stall, the round trip on the I/O thread, the step."""
-        return (f"redis stall per step {_fmt(self.source.stats.summary())}; redis round trip "
-                f"{_fmt(self.source.rtt_stats.summary())}; engine.step {_fmt(self.step_stats.summary())}")
-
-
-def _fmt(s: dict) -> str:
-    return (f"n={s['count']} mean={s['mean_us']:.0f}us p50={s['p50_us']:.0f}us p99={s['p99_us']:.0f}us "
-            f"max={s['max_us']:.0f}us")
+        return f"redis round trip {self.round_stats}; engine.step {self.step_stats}"
 
 
 # ---------------------------------------------------------------------- CLI
@@ -246,7 +394,6 @@ def healthcheck(wcfg: WorkerConfig) -> int:
     """0 when the heartbeat of this host's engine (or of --engine-id) is fresh in Redis.
 
     Containers use the lighter ``python -m shared.healthcheck engine`` (no torch import)."""
-    from engine_worker.redis_source import default_engine_id
     from shared.healthcheck import engine_heartbeat
     ok, why = engine_heartbeat(wcfg.redis_url, wcfg.engine_id or default_engine_id(), wcfg.heartbeat_ttl)
     print(("healthy: " if ok else "unhealthy: ") + why, file=sys.stdout if ok else sys.stderr)

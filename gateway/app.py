@@ -43,7 +43,8 @@ log = logging.getLogger("kaiten.gateway")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 WS_CHAT_FIELDS = frozenset({"model", "messages", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop",
-                            "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos"})
+                            "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids",
+                            "ignore_eos"})
 WS_MAX_ACTIVE = 16
 
 
@@ -379,10 +380,10 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
 
 
-def create_app(config: GatewayConfig | None = None, *, tokenizer: Any = None, gateway_id: str | None = None) -> Starlette:
+def create_app(config: GatewayConfig | None = None, *, gateway_id: str | None = None) -> Starlette:
     """The ASGI app. Each app has its own Gateway (Redis clients, router, metrics registry)."""
     config = config or GatewayConfig.from_env()
-    gw = Gateway(config, tokenizer=tokenizer, gateway_id=gateway_id)
+    gw = Gateway(config, gateway_id=gateway_id)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -425,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-tokens", dest="max_queued_tokens", type=int, default=None)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=None)
     p.add_argument("--engine-timeout", dest="engine_timeout", type=float, default=None)
+    p.add_argument("--redis-max-connections", dest="redis_max_connections", type=int, default=None,
+                   help="the gateway's Redis command pool size (env KAITEN_REDIS_MAX_CONNECTIONS, default 16)")
     p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
     return p
 
@@ -433,7 +436,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     cfg = GatewayConfig.from_env()
     kw = {k: getattr(args, k) for k in ("host", "port", "model", "redis_url", "tokenizer_url", "served_model_name",
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
-                                         "engine_timeout")}
+                                         "engine_timeout", "redis_max_connections")}
     return cfg.with_overrides(**kw)
 
 
@@ -442,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every call to the tokenizer service at INFO: keep to uvicorn's one line per request.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     config = config_from_args(args)
     app = create_app(config)
     # uvicorn handles SIGTERM/SIGINT while it serves (graceful shutdown), then restores these

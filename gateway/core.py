@@ -1,4 +1,11 @@
-"""The gateway's state: Redis clients, the reply router, the engine monitor, submission and aborts."""
+"""The gateway's state: Redis clients, the reply router, the engine monitor, submission and aborts.
+
+Liveness: while it runs, the gateway keeps ``names.gateway_alive_key(gateway_id)`` set with a TTL
+of ``GATEWAY_ALIVE_TTL_S`` (refreshed every third of it, and SET in the same pipeline as every
+XADD), and deletes it on a clean stop; engines abort the requests of a gateway whose key is gone.
+Its Redis commands share a bounded pool (``redis_max_connections``): under load they wait for a
+free connection instead of opening more.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +25,8 @@ from .errors import APIError
 from .generation import SubGeneration, SubRequest
 from .metrics import GatewayMetrics
 from .openai_api import ModelContext, ParsedRequest
-from .router import ReplyRouter, RequestStream
+from .output import OutputProcessor, RequestState, StopChecker
+from .router import ReplyRouter
 
 log = logging.getLogger("kaiten.gateway")
 
@@ -42,20 +50,24 @@ def _model_config(model_dir: str) -> dict[str, Any]:
         return {}
 
 
-def _make_tokenizer(model_dir: str, url: str):
-    try:
-        from tokenizer_service import make_tokenizer
-    except ImportError:
-        from tokenizer_service.client import make_tokenizer
-    return make_tokenizer(model_dir, url)
+def bounded_redis(url: str, max_connections: int, client_name: str, wait_s: float = 10.0):
+    """An asyncio Redis client on a BlockingConnectionPool: at most `max_connections` connections;
+    a command that finds them all busy waits (up to `wait_s`) for one to be released."""
+    import redis.asyncio
+    from shared.redis_conn import async_redis_client
+    proto = async_redis_client(url, client_name=client_name).connection_pool   # Kaiten's settings
+    pool = redis.asyncio.BlockingConnectionPool(max_connections=max_connections, timeout=wait_s,
+                                                connection_class=proto.connection_class,
+                                                **proto.connection_kwargs)
+    return redis.asyncio.Redis(connection_pool=pool)
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, tokenizer: Any = None, gateway_id: str | None = None,
-                 redis_client: Any = None):
+    def __init__(self, config: GatewayConfig, gateway_id: str | None = None, redis_client: Any = None):
         self.config = config
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:16]}"
-        self.model_dir = resolve_model_dir(config.model) if tokenizer is None or config.model else config.model
+        self.alive_key = names.gateway_alive_key(self.gateway_id)
+        self.model_dir = resolve_model_dir(config.model)
         self.served_model_name = config.served_model_name or (Path(self.model_dir).name if self.model_dir else "model")
         self.model_names = [self.served_model_name]
         dir_name = Path(self.model_dir).name if self.model_dir else ""
@@ -65,8 +77,11 @@ class Gateway:
         self._cfg_max_len = int(cfg.get("max_position_embeddings") or 0) or None
         self._cfg_vocab = int(cfg.get("vocab_size") or 0) or None
         self.metrics = GatewayMetrics(self.served_model_name)
-        self.tokenizer = tokenizer
-        self._own_tokenizer = tokenizer is None
+        # Generated tokens are always detokenized here, in-process; prompts go through `tokenizer`
+        # (the same tokenizer, or the tokenizer service when config.tokenizer_url is set).
+        from tokenizer_service import ChatTokenizer, make_tokenizer
+        self.text_tokenizer = ChatTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = make_tokenizer(self.model_dir, config.tokenizer_url, self.text_tokenizer)
         self.redis = redis_client
         self._own_redis = redis_client is None
         self.sub_redis = None
@@ -74,21 +89,18 @@ class Gateway:
         self.router: ReplyRouter | None = None
         self._tasks: list[asyncio.Task] = []
         self._bg: set[asyncio.Task] = set()
-        self._token_cache: dict[int, str] = {}
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         from shared.redis_conn import async_redis_client
-        if self.tokenizer is None:
-            self.tokenizer = _make_tokenizer(self.model_dir, self.config.tokenizer_url)
-        if hasattr(self.tokenizer, "start"):
-            try:
-                await asyncio.wait_for(self.tokenizer.start(), 10.0)
-            except Exception as e:      # the tokenizer service may come up later
-                log.warning("tokenizer not ready yet: %s: %s", type(e).__name__, e)
+        try:
+            await asyncio.wait_for(self.tokenizer.start(), 10.0)
+        except Exception as e:      # the tokenizer service may come up later
+            log.warning("tokenizer not ready yet: %s: %s", type(e).__name__, e)
         if self.redis is None:
-            self.redis = async_redis_client(self.config.redis_url, client_name=f"kaiten-gateway-{self.gateway_id}")
+            self.redis = bounded_redis(self.config.redis_url, self.config.redis_max_connections,
+                                       f"kaiten-gateway-{self.gateway_id}")
         # A dedicated client for the one pub/sub connection: its reads wait with their own timeout.
         self.sub_redis = async_redis_client(self.config.redis_url, socket_timeout=None,
                                             health_check_interval=5, retries=1,
@@ -97,7 +109,12 @@ class Gateway:
         self.monitor.on_poll.append(lambda m: self.metrics.update_load(m.load()))
         self.router = ReplyRouter(self.sub_redis, self.gateway_id, self.monitor, self.config.engine_timeout)
         self.router.on_abort_needed = self.abort_soon
-        self._tasks = [asyncio.create_task(self.router.run(), name="kaiten-reply-reader"),
+        self.router.processor = OutputProcessor(self.text_tokenizer, self.metrics, self.router.counters,
+                                                finish=lambda s: self.router.unregister(s.request_id),
+                                                fail=self.router.fail, abort=self.abort_soon)
+        await self._set_alive()
+        self._tasks = [asyncio.create_task(self._keep_alive(), name="kaiten-gateway-alive"),
+                       asyncio.create_task(self.router.run(), name="kaiten-reply-reader"),
                        asyncio.create_task(self.router.watchdog(), name="kaiten-watchdog"),
                        asyncio.create_task(self.monitor.run(), name="kaiten-engine-monitor")]
         # Best effort: be subscribed and know the engines before serving (Redis may be down).
@@ -125,17 +142,38 @@ class Gateway:
         self._tasks = []
         if self.router is not None:
             await self.router.close()
+        if self.redis is not None:
+            try:
+                await asyncio.wait_for(self.redis.delete(self.alive_key), 2.0)
+            except Exception:       # Redis down: the key expires on its own
+                pass
         for client, own in ((self.sub_redis, True), (self.redis, self._own_redis)):
             if client is not None and own:
                 try:
-                    await client.aclose()
+                    await client.aclose(close_connection_pool=True)
                 except Exception:
                     pass
-        if self._own_tokenizer and self.tokenizer is not None and hasattr(self.tokenizer, "aclose"):
-            try:
-                await self.tokenizer.aclose()
-            except Exception:
-                pass
+        try:
+            await self.tokenizer.aclose()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ liveness
+    async def _set_alive(self) -> bool:
+        try:
+            await asyncio.wait_for(self.redis.set(self.alive_key, self.gateway_id,
+                                                  px=int(names.GATEWAY_ALIVE_TTL_S * 1000)),
+                                   names.GATEWAY_ALIVE_TTL_S)
+            return True
+        except Exception:           # Redis down: the next submission's pipeline sets it again
+            return False
+
+    async def _keep_alive(self) -> None:
+        """Refresh the liveness key every third of its TTL (a failed refresh is retried sooner)."""
+        period = names.GATEWAY_ALIVE_TTL_S / 3
+        while True:
+            ok = await self._set_alive()
+            await asyncio.sleep(period if ok else period / 4)
 
     # ------------------------------------------------------------------ model facts
     def max_model_len(self) -> int:
@@ -211,17 +249,21 @@ class Gateway:
                 index = pi * parsed.n + j
                 rid = request_id if single else f"{request_id}-{index}"
                 sub = SubRequest(index, rid, ids, parsed.sub_params(j), parsed.stop, parsed.prompt_texts[pi])
-                stream = RequestStream(rid, now_m + timeout, num_prompt_tokens=len(ids))
-                gens.append(SubGeneration(self, sub, stream, arrival=now_m))
+                state = RequestState(rid, index, ids, now_m + timeout, self.text_tokenizer.detokenizer(ids),
+                                     StopChecker(parsed.stop), want_logprobs=parsed.logprobs is not None,
+                                     submitted=now_m)
+                gens.append(SubGeneration(sub, state))
                 payloads.append(encode(GenerateRequest(rid, self.gateway_id, ids, sub.params, arrival_time=now,
                                                        deadline=now + timeout)))
         for g in gens:
-            self.router.register(g.stream)
+            self.router.register(g.state)
         try:
+            # The liveness key goes first, so an engine never sees a request of a gateway it
+            # cannot find. No MAXLEN: a trim could drop entries not served yet; engines XDEL.
             pipe = self.redis.pipeline(transaction=False)
+            pipe.set(self.alive_key, self.gateway_id, px=int(names.GATEWAY_ALIVE_TTL_S * 1000))
             for data in payloads:
-                pipe.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: data},
-                          maxlen=names.REQUEST_STREAM_MAXLEN, approximate=True)
+                pipe.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: data})
             await pipe.execute()
         except BaseException as e:      # Redis errors, or the caller cancelled (client gone)
             for g in gens:
@@ -241,6 +283,7 @@ class Gateway:
         for g in gens:
             self.router.unregister(g.sub.request_id)
             if g.needs_abort:
+                g.state.abort_sent = True
                 ids.append(g.sub.request_id)
         if ids:
             self.abort_soon(ids)
@@ -283,18 +326,3 @@ class Gateway:
                 m.e2e.observe((g.finished_at or time.monotonic()) - g.arrival)
         if error is not None:
             m.error(error.code)
-
-    # ------------------------------------------------------------------ token strings (logprobs)
-    async def token_strings(self, ids: list[int]) -> None:
-        missing = [t for t in dict.fromkeys(ids) if t not in self._token_cache]
-        if missing and len(self._token_cache) > 300_000:
-            self._token_cache.clear()
-            missing = list(dict.fromkeys(ids))
-        for t in missing:
-            try:
-                self._token_cache[t] = await self.tokenizer.decode([t])
-            except Exception:       # a logprob's token text is best effort
-                self._token_cache[t] = ""
-
-    def token_str(self, token_id: int) -> str:
-        return self._token_cache.get(token_id, "")

@@ -23,13 +23,14 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 COMPLETION_FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
     "stop", "stop_token_ids", "seed", "logprobs", "echo", "presence_penalty", "frequency_penalty",
-    "ignore_eos", "user", "suffix", "best_of", "logit_bias",
+    "ignore_eos", "user", "suffix", "best_of", "logit_bias", "repetition_penalty", "extra_body",
 })
 CHAT_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
     "stream", "stream_options", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
     "presence_penalty", "frequency_penalty", "ignore_eos", "user", "logit_bias", "response_format",
-    "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
+    "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier", "repetition_penalty",
+    "extra_body",
 })
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
@@ -115,6 +116,22 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise bad_request(f"'{name}' must be a boolean, got {type(v).__name__}", name, "invalid_type")
     return v
+
+
+def _flatten(body: dict, allowed: frozenset[str]) -> dict:
+    """The body with an "extra_body" object's fields (as some clients send them) merged in."""
+    extra = body.get("extra_body")
+    if extra is None or "extra_body" not in allowed:
+        return body
+    if not isinstance(extra, dict):
+        raise bad_request("'extra_body' must be an object", "extra_body", "invalid_type")
+    clash = sorted(set(extra) & set(body))
+    if clash or "extra_body" in extra:
+        raise bad_request(f"'{(clash or ['extra_body'])[0]}' is given both in the body and in 'extra_body'",
+                          "extra_body")
+    merged = {k: v for k, v in body.items() if k != "extra_body"}
+    merged.update(extra)
+    return merged
 
 
 def _check_unknown(body: dict, allowed: frozenset[str]) -> None:
@@ -215,7 +232,21 @@ def _common(body: dict, ctx: ModelContext) -> dict[str, Any]:
         "ignore_eos": _bool(body, "ignore_eos", False),
         "presence_penalty": _num(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _repetition_penalty(body),
     }
+
+
+def _repetition_penalty(body: dict) -> float:
+    """HF/vLLM semantics, applied by the engine: > 0; 1 is off, > 1 discourages repeats."""
+    v = body.get("repetition_penalty")
+    if v is None:
+        return 1.0
+    if not _is_num(v):
+        raise bad_request(f"'repetition_penalty' must be a number, got {type(v).__name__}", "repetition_penalty",
+                          "invalid_type")
+    if v <= 0:
+        raise bad_request(f"'repetition_penalty' must be > 0, got {v}", "repetition_penalty")
+    return float(v)
 
 
 def _max_tokens(value: int | None, name: str, prompt_lens: list[int], ctx: ModelContext, default: int | None) -> int:
@@ -248,6 +279,7 @@ def _check_ids(ids: list[int], ctx: ModelContext, param: str) -> None:
 async def parse_completion(body: Any, ctx: ModelContext) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
+    body = _flatten(body, COMPLETION_FIELDS)
     _check_unknown(body, COMPLETION_FIELDS)
     model = _model(body, ctx)
     if "prompt" not in body or body["prompt"] is None:
@@ -362,7 +394,9 @@ async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = N
                      allowed: frozenset[str] | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
-    _check_unknown(body, CHAT_FIELDS if allowed is None else allowed)
+    allowed = CHAT_FIELDS if allowed is None else allowed
+    body = _flatten(body, allowed)
+    _check_unknown(body, allowed)
     model = _model(body, ctx)
     if "messages" not in body:
         raise bad_request("'messages' is required", "messages", "missing_required_parameter")

@@ -7,10 +7,9 @@ import logging
 import math
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from shared.protocol import TokenLogprob
-
 from .errors import APIError, GenerationError
-from .generation import Piece, SubGeneration
+from .generation import SubGeneration
+from .output import Logprob, Piece
 from .openai_api import ParsedRequest
 
 log = logging.getLogger("kaiten.gateway")
@@ -85,19 +84,19 @@ def usage(parsed: ParsedRequest, gens: list[SubGeneration]) -> dict[str, Any]:
 class CompletionLogprobs:
     """Completions API: {tokens, token_logprobs, top_logprobs, text_offset}."""
 
-    def __init__(self, gw, top_n: int, offset: int = 0):
-        self.gw, self.top_n, self.offset = gw, top_n, offset
+    def __init__(self, top_n: int, offset: int = 0):
+        self.top_n, self.offset = top_n, offset
 
-    def build(self, lps: list[TokenLogprob] | None) -> dict[str, Any]:
+    def build(self, lps: list[Logprob] | None) -> dict[str, Any]:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in lps or []:
-            s = self.gw.token_str(lp.token_id)
+            s = lp.token
             out["tokens"].append(s)
             out["token_logprobs"].append(_lp(lp.logprob))
             if self.top_n > 0:
                 top: dict[str, float] = {}
                 for t, v in lp.top[: self.top_n]:
-                    top.setdefault(self.gw.token_str(t), _lp(v))
+                    top.setdefault(t, _lp(v))
                 out["top_logprobs"].append(top)
             else:
                 out["top_logprobs"].append(None)
@@ -106,14 +105,13 @@ class CompletionLogprobs:
         return out
 
 
-def chat_logprobs(gw, lps: list[TokenLogprob] | None, top_n: int) -> dict[str, Any]:
+def chat_logprobs(lps: list[Logprob] | None, top_n: int) -> dict[str, Any]:
     content = []
     for lp in lps or []:
-        s = gw.token_str(lp.token_id)
         content.append({
-            "token": s, "logprob": _lp(lp.logprob), "bytes": list(s.encode("utf-8")),
-            "top_logprobs": [{"token": gw.token_str(t), "logprob": _lp(v),
-                              "bytes": list(gw.token_str(t).encode("utf-8"))} for t, v in lp.top[:top_n]],
+            "token": lp.token, "logprob": _lp(lp.logprob), "bytes": list(lp.token.encode("utf-8")),
+            "top_logprobs": [{"token": t, "logprob": _lp(v), "bytes": list(t.encode("utf-8"))}
+                             for t, v in lp.top[:top_n]],
         })
     return {"content": content, "refusal": None}
 
@@ -158,7 +156,7 @@ async def _stream(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str
 def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
                    created: int) -> AsyncIterator[bytes]:
     chunk = _chunker(parsed, rid, created, "text_completion")
-    lp_builders = {g.sub.index: CompletionLogprobs(gw, parsed.logprobs or 0) for g in gens}
+    lp_builders = {g.sub.index: CompletionLogprobs(parsed.logprobs or 0) for g in gens}
 
     async def frames() -> AsyncIterator[bytes]:
         if parsed.echo:
@@ -184,7 +182,7 @@ def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pi
         lp = None
         if parsed.logprobs is not None:
             lps = [x for p in ps for x in (p.logprobs or [])]
-            lp = CompletionLogprobs(gw, parsed.logprobs, len(prefix)).build(lps)
+            lp = CompletionLogprobs(parsed.logprobs, len(prefix)).build(lps)
         choices.append({"index": g.sub.index, "text": prefix + text, "logprobs": lp,
                         "finish_reason": g.finish_reason})
     return {"id": rid, "object": "text_completion", "created": created, "model": parsed.model,
@@ -202,7 +200,7 @@ def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
             yield chunk([{"index": g.sub.index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
         async for g, p in merged(gens):
-            lp = chat_logprobs(gw, p.logprobs, parsed.logprobs or 0) if want_lp and p.logprobs else None
+            lp = chat_logprobs(p.logprobs, parsed.logprobs or 0) if want_lp and p.logprobs else None
             if p.text or lp is not None:
                 yield chunk([{"index": p.index, "delta": {"content": p.text}, "logprobs": lp,
                               "finish_reason": None}])
@@ -219,7 +217,7 @@ def chat_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: 
         ps = pieces.get(g.sub.index, [])
         lp = None
         if parsed.logprobs is not None:
-            lp = chat_logprobs(gw, [x for p in ps for x in (p.logprobs or [])], parsed.logprobs)
+            lp = chat_logprobs([x for p in ps for x in (p.logprobs or [])], parsed.logprobs)
         choices.append({"index": g.sub.index,
                         "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
                         "logprobs": lp, "finish_reason": g.finish_reason})

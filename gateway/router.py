@@ -1,9 +1,10 @@
 """Routing token deltas from the engines to the requests waiting for them.
 
 ONE pub/sub connection per gateway, subscribed to ``names.reply_channel(gateway_id)`` before the
-first request is XADDed. A single reader task decodes every ``TokenBatch`` and puts each delta on
-its request's queue. Per request it checks the ``seq`` numbers (a repeat is dropped: the engine
-re-sends messages it is not sure went out; a gap ends the request with an error).
+first request is XADDed. A single reader task decodes every ``TokenBatch`` and hands it to the
+output processor (output.py), which checks each delta's ``seq`` (a repeat is dropped: the engine
+re-sends messages it is not sure went out; a gap ends the request with an error), detokenizes and
+puts text pieces on the requests' queues.
 
 redis-py reconnects a broken pub/sub connection and re-subscribes by itself. Messages published
 meanwhile are lost, so when the subscribe confirmation arrives again (or the connection errors),
@@ -16,31 +17,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shared import names
-from shared.protocol import Delta, ProtocolError, TokenBatch, decode
+from shared.protocol import ProtocolError, TokenBatch, decode
 
 from .engines import EngineMonitor
 from .errors import GenerationError
+from .output import OutputProcessor, RequestState
 
 log = logging.getLogger("kaiten.gateway")
-
-
-@dataclass(slots=True, eq=False)
-class RequestStream:
-    """One engine request as the gateway sees it: a queue of deltas (or one error)."""
-    request_id: str
-    deadline: float                      # time.monotonic()
-    num_prompt_tokens: int = 0
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    next_seq: int = 0
-    engine_id: str | None = None
-    submitted: float = field(default_factory=time.monotonic)
-    first_delta: float | None = None
-    done: bool = False                   # terminal delta or error delivered
-    on_first_delta: Callable[["RequestStream"], None] | None = None
 
 
 class ReplyRouter:
@@ -52,7 +38,7 @@ class ReplyRouter:
         self.monitor = monitor
         self.engine_timeout = engine_timeout
         self.subscribe_timeout = subscribe_timeout
-        self.streams: dict[str, RequestStream] = {}
+        self.streams: dict[str, RequestState] = {}
         self.subscribed = asyncio.Event()
         self.pubsub = None
         self.counters = {"messages": 0, "deltas": 0, "bad_messages": 0, "unknown_request": 0, "duplicates": 0,
@@ -60,9 +46,10 @@ class ReplyRouter:
                          "foreign_engine": 0}
         self._confirmations = 0
         self.on_abort_needed: Callable[[list[str]], None] | None = None   # set by the gateway
+        self.processor: OutputProcessor | None = None                     # set by the gateway
 
     # ------------------------------------------------------------------ registry
-    def register(self, stream: RequestStream) -> None:
+    def register(self, stream: RequestState) -> None:
         self.streams[stream.request_id] = stream
 
     def unregister(self, request_id: str) -> None:
@@ -70,21 +57,25 @@ class ReplyRouter:
         if s is not None:
             s.done = True
 
-    def fail(self, stream: RequestStream, error: GenerationError, abort: bool = True) -> None:
+    def fail(self, stream: RequestState, error: GenerationError, abort: bool = True) -> None:
+        """End a request with an error; abort it on the engine unless that is known to be moot."""
         if stream.done:
             return
-        stream.done = True
-        self.streams.pop(stream.request_id, None)
+        self.unregister(stream.request_id)
         stream.queue.put_nowait(error)
-        if abort and self.on_abort_needed is not None:
+        if abort and not stream.engine_finished and not stream.abort_sent and self.on_abort_needed is not None:
+            stream.abort_sent = True
             self.on_abort_needed([stream.request_id])
 
     def fail_all(self, error_factory: Callable[[], GenerationError]) -> int:
         streams = list(self.streams.values())
         for s in streams:
             self.fail(s, error_factory(), abort=False)
-        if streams and self.on_abort_needed is not None:
-            self.on_abort_needed([s.request_id for s in streams])
+        ids = [s.request_id for s in streams if not s.engine_finished and not s.abort_sent]
+        for s in streams:
+            s.abort_sent = True
+        if ids and self.on_abort_needed is not None:
+            self.on_abort_needed(ids)
         return len(streams)
 
     # ------------------------------------------------------------------ subscription
@@ -169,44 +160,7 @@ class ReplyRouter:
         engine_id = msg.engine_id if isinstance(msg.engine_id, str) else str(msg.engine_id)
         if engine_id:
             self.monitor.touch(engine_id)
-        for delta in msg.deltas:
-            self._route(engine_id, delta)
-
-    def _route(self, engine_id: str, d: Delta) -> None:
-        self.counters["deltas"] += 1
-        s = self.streams.get(d.request_id) if isinstance(d.request_id, str) else None
-        if s is None or s.done:
-            self.counters["unknown_request"] += 1
-            return
-        if not isinstance(d.seq, int) or not isinstance(d.token_ids, list):
-            self.counters["bad_messages"] += 1
-            self.fail(s, GenerationError(502, "malformed token delta from the engine", code="bad_delta"))
-            return
-        if s.engine_id is None:
-            s.engine_id = engine_id
-        elif engine_id and engine_id != s.engine_id:
-            # Another engine took the request over (a janitor claim): the first engine's replies
-            # are the ones in flight; the watchdog fails the request if that engine is lost.
-            self.counters["foreign_engine"] += 1
-            return
-        if d.seq < s.next_seq:
-            self.counters["duplicates"] += 1          # a re-sent message: seen already
-            return
-        if d.seq > s.next_seq:
-            self.counters["gaps"] += 1
-            self.fail(s, GenerationError(
-                502, f"token stream gap: expected delta {s.next_seq}, got {d.seq}; tokens were lost",
-                code="stream_gap"))
-            return
-        s.next_seq += 1
-        if s.first_delta is None:
-            s.first_delta = time.monotonic()
-            if s.on_first_delta is not None:
-                s.on_first_delta(s)
-        if d.finish_reason is not None:
-            s.done = True
-            self.streams.pop(s.request_id, None)
-        s.queue.put_nowait(d)
+        self.processor.process(engine_id, msg.deltas, self.streams)
 
     # ------------------------------------------------------------------ watchdog
     def check(self, now: float | None = None) -> None:

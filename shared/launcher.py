@@ -5,10 +5,9 @@
 1. ensures the default model (once) unless ``--model`` is given;
 2. starts a local ``redis-server`` on a free port (no persistence) unless ``REDIS_URL``/``--redis-url``
    is given;
-3. runs ``kaiten tokenizer``, one ``kaiten engine`` and one ``kaiten gateway`` as child processes
-   (the gateway gets ``TOKENIZER_URL`` pointing at the tokenizer service);
-4. waits until the tokenizer answers ``GET /health`` and the gateway ``GET /ready``, then prints
-   the URL and a curl line to try;
+3. runs one ``kaiten engine`` and one ``kaiten gateway`` as child processes (the gateway tokenizes
+   and detokenizes in-process: no tokenizer service, no ``TOKENIZER_URL``);
+4. waits until the gateway answers ``GET /ready``, then prints the URL and a curl line to try;
 5. stops every child cleanly on Ctrl-C/SIGTERM (gateway first, Redis last); if any child dies,
    stops the rest and exits non-zero.
 
@@ -214,15 +213,14 @@ def _cuda_available() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kaiten up", description="Run Redis (if needed), the tokenizer service, "
-                                "one engine worker and one gateway; Ctrl-C stops them all.")
+    p = argparse.ArgumentParser(prog="kaiten up", description="Run Redis (if needed), one engine worker and "
+                                "one gateway; Ctrl-C stops them all.")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     p.add_argument("--model", default=os.environ.get("KAITEN_MODEL", ""),
                    help="model directory (default: the default SmolLM2, converted once)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
                    help="use this Redis instead of starting one (env REDIS_URL)")
-    p.add_argument("--tokenizer-port", type=int, default=0, help="tokenizer service port (default: a free one)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the gateway's /ready")
     p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each child gets to stop")
     p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
@@ -266,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             redis_child, redis_url = start_local_redis()
             sup.children.append(redis_child)
-        tok_port = args.tokenizer_port or free_port()
-        tokenizer_url = f"http://127.0.0.1:{tok_port}"
-        sup.add(Child("tokenizer", _kaiten("tokenizer", "--host", "127.0.0.1", "--port", str(tok_port), "--model", model),
-                      _child_env(KAITEN_MODEL=model, KAITEN_HOST="127.0.0.1", KAITEN_PORT=str(tok_port))))
+        log.info("redis at %s", redis_url)
         engine_env = _child_env(KAITEN_MODEL=model, REDIS_URL=redis_url)
         # The gateway stops first, so there is nobody left to drain in-flight requests for.
         engine_env.setdefault("KAITEN_DRAIN_TIMEOUT", "1")
@@ -279,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         sup.add(Child("engine", _kaiten(*engine_args), engine_env))
         sup.add(Child("gateway", _kaiten("gateway", "--host", args.host, "--port", str(args.port), "--model", model),
                       _child_env(KAITEN_MODEL=model, KAITEN_HOST=args.host, KAITEN_PORT=str(args.port),
-                                 REDIS_URL=redis_url, TOKENIZER_URL=tokenizer_url)))
+                                 REDIS_URL=redis_url, TOKENIZER_URL="")))
     except Exception as e:
         print(f"kaiten up: {e}", file=sys.stderr)
         sup.stop_all()
@@ -287,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = f"http://{probe_host}:{args.port}"
     deadline = time.monotonic() + args.ready_timeout
-    if (wait_http_ready(f"{tokenizer_url}/health", sup, args.ready_timeout)
-            and wait_http_ready(f"{base}/ready", sup, max(1.0, deadline - time.monotonic()))):
+    if wait_http_ready(f"{base}/ready", sup, max(1.0, deadline - time.monotonic())):
         name = Path(model).name
         body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hello in one sentence."}],
                            "max_tokens": 64})

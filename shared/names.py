@@ -6,7 +6,6 @@ REQUEST_STREAM = f"{PREFIX}:requests"          # gateways XADD requests; engines
 ENGINE_GROUP = "engines"                        # the consumer group all engine workers share
 DEAD_LETTER_STREAM = f"{PREFIX}:requests:dead"  # malformed or undeliverable entries
 ABORT_STREAM = f"{PREFIX}:aborts"               # every engine XREADs all aborts (no group)
-REQUEST_STREAM_MAXLEN = 100_000
 ABORT_STREAM_MAXLEN = 10_000
 DEAD_LETTER_MAXLEN = 10_000
 
@@ -25,3 +24,12 @@ def heartbeat_key(engine_id: str) -> str:
 
 
 HEARTBEAT_PATTERN = f"{PREFIX}:engine:*"
+
+
+def gateway_alive_key(gateway_id: str) -> str:
+    """Key (with a TTL, refreshed by the gateway) that says one gateway process is alive. An engine
+    aborts the requests whose gateway's key is gone: nobody is waiting for their tokens."""
+    return f"{PREFIX}:gateway:{gateway_id}"
+
+
+GATEWAY_ALIVE_TTL_S = 1.5        # a gateway refreshes its key every GATEWAY_ALIVE_TTL_S / 3 seconds

@@ -4,7 +4,9 @@ Every message is a map with ``v`` (protocol version) and ``t`` (type). Types:
 
 - ``request``  gateway -> engines (stream ``kaiten:requests``)
 - ``abort``    gateway -> engines (stream ``kaiten:aborts``)
-- ``tokens``   engine -> one gateway (pub/sub): every delta that gateway's requests got in one step.
+- ``tokens``   engine -> one gateway (pub/sub): every delta that gateway's requests got in one step
+  (``engine_worker/publisher.py`` builds them from ``Delta`` and ``TokenBatch``; fields at their
+  default are left out on the wire and filled in by ``decode``).
   A delta carries a per-request sequence number ``seq`` (0, 1, 2, ...). The last delta of a
   request has ``finish_reason`` set; ``finish_reason == "error"`` comes with ``error`` text.
   So "finish" and "error" are terminal deltas, numbered like any other, and a gap is visible.
@@ -76,11 +78,18 @@ _TYPES: dict[str, type] = {c.T: c for c in (GenerateRequest, Abort, TokenBatch)}
 
 
 def _to_wire(obj: Any) -> Any:
+    """Plain msgpack-able values. A field still at its (plain) default is left out: the decoder
+    fills it in, so messages stay small and old readers see the fields they always saw."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: _to_wire(v) for f in dataclasses.fields(obj)
+                if (v := getattr(obj, f.name)) is not f.default and not _is_plain_default(v, f.default)}
     if isinstance(obj, (list, tuple)):
         return [_to_wire(x) for x in obj]
     return obj
+
+
+def _is_plain_default(value: Any, default: Any) -> bool:
+    return default is not dataclasses.MISSING and type(value) is type(default) and value == default
 
 
 def encode(msg: GenerateRequest | Abort | TokenBatch) -> bytes:

@@ -4,6 +4,10 @@ import os
 # threads that spin-wait on a busy core make every op wait a scheduler quantum (~10 ms), so each
 # process gets one thread. Set before torch is imported; subprocesses inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Engines started as processes (kaiten engine, kaiten up) run the eager forward: the compiled one
+# has its own HF-equality tests (test_engine.py), and a cold compile in every process would
+# dominate the suite's time on two cores.
+os.environ.setdefault("KAITEN_ENFORCE_EAGER", "1")
 
 import pytest
 
@@ -30,3 +34,8 @@ def redis_url(redis_server):
     import redis
     redis.Redis.from_url(redis_server.url).flushall()
     return redis_server.url
+
+
+def pytest_report_header(config):
+    from tests.redis_server import docker_available
+    return f"redis: {'testcontainers (a Docker engine answers)' if docker_available() else 'redis-server process'}"

@@ -9,8 +9,9 @@ from shared.config import EngineConfig, WorkerConfig
 
 
 def engine_config(model_dir, **kw) -> EngineConfig:
+    """Eager, like the engines the conftest starts as processes (see there)."""
     base = dict(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory="4MiB", max_num_seqs=32,
-                num_threads=1)
+                num_threads=1, enforce_eager=True)
     base.update(kw)
     return EngineConfig(**base)
 
@@ -26,7 +27,7 @@ def worker_config(url: str, engine_id: str, **kw) -> WorkerConfig:
 
 class WorkerThread:
     """An EngineWorker running in a thread of the test process; `kw` goes to worker_config.
-    Attributes it lacks (engine, source, started...) are the worker's."""
+    Attributes it lacks (engine, counters, started...) are the worker's."""
 
     def __init__(self, url, model_dir, engine_id, engine_kw=None, **kw):
         from engine_worker.worker import EngineWorker
@@ -66,3 +67,56 @@ def wait_until(cond, timeout: float = 15.0, interval: float = 0.02, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+class GatewayAlive:
+    """A stand-in for a gateway's liveness key: SET names.gateway_alive_key(id) with the gateway's
+    TTL and refresh it every TTL/3 from a thread, until stop_refreshing() (a gateway that died:
+    the key lapses within GATEWAY_ALIVE_TTL_S) or delete() (a gateway that exits cleanly)."""
+
+    def __init__(self, url: str, gateway_id: str):
+        import redis
+        from shared import names
+        self.r = redis.Redis.from_url(url, socket_timeout=5)
+        self.redis_error = redis.RedisError
+        self.key = names.gateway_alive_key(gateway_id)
+        self.ttl_ms = int(names.GATEWAY_ALIVE_TTL_S * 1000)
+        self._stop = threading.Event()
+        self.r.set(self.key, b"1", px=self.ttl_ms)
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"alive-{gateway_id}")
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop.wait(self.ttl_ms / 3000):
+            try:
+                self.r.set(self.key, b"1", px=self.ttl_ms)
+            except self.redis_error:     # Redis restarting: refresh on the next tick
+                pass
+
+    def stop_refreshing(self) -> float:
+        """Stop refreshing; returns time.monotonic() of the last refresh's expiry horizon start."""
+        self._stop.set()
+        self.thread.join(5)
+        return time.monotonic()
+
+    def delete(self) -> None:
+        self.stop_refreshing()
+        self.r.delete(self.key)
+
+
+def wait_engine_idle(engine, timeout: float = 15.0) -> float:
+    """Seconds until the engine runs nothing (no running or waiting sequence)."""
+    t0 = time.monotonic()
+    wait_until(lambda: not engine.scheduler.has_unfinished(), timeout, 0.01, "the engine to run nothing")
+    return time.monotonic() - t0
+
+
+def slow_steps(engine, seconds: float) -> None:
+    """Make every step of `engine` at least `seconds` long (the tiny model is too fast for tests
+    that must act while requests are still running)."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+    engine.step = slow_step

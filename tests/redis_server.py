@@ -1,6 +1,12 @@
-"""A real Redis for tests: testcontainers when a Docker engine answers, else a redis-server process."""
+"""A real Redis for tests: testcontainers when a Docker engine answers, else a redis-server process.
+
+The container runs the official redis:7-alpine where it is present or can be pulled, else the local
+stand-in scripts/compose-check.sh builds from Debian (kaiten-local/redis:7); with neither, the
+process. Its port is published on 127.0.0.1 only.
+"""
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -14,12 +20,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+OFFICIAL_IMAGE = "redis:7-alpine"
+LOCAL_IMAGE = "kaiten-local/redis:7"
+
+
 def docker_available() -> bool:
     try:
         import docker
         docker.from_env(timeout=3).ping()
         return True
     except Exception:
+        return False
+
+
+def docker_redis_image() -> str | None:
+    """The Redis image to run: the official one (present or pulled), else the local one, else None."""
+    import docker
+    client = docker.from_env(timeout=60)
+    try:
+        client.images.get(OFFICIAL_IMAGE)
+        return OFFICIAL_IMAGE
+    except docker.errors.DockerException:
+        pass
+    try:
+        client.images.pull(OFFICIAL_IMAGE)
+        return OFFICIAL_IMAGE
+    except docker.errors.DockerException:
+        pass
+    try:
+        client.images.get(LOCAL_IMAGE)
+        return LOCAL_IMAGE
+    except docker.errors.DockerException:
+        return None
+
+
+def _has_image(name: str) -> bool:
+    import docker
+    try:
+        docker.from_env(timeout=10).images.get(name)
+        return True
+    except docker.errors.DockerException:
         return False
 
 
@@ -45,14 +85,17 @@ class RedisServer:
         self._proc: subprocess.Popen | None = None
         self._container = None
         self._dir = tempfile.mkdtemp(prefix="kaiten-redis-")
-        self.use_docker = docker_available()
+        self.image = docker_redis_image() if docker_available() else None
+        self.use_docker = self.image is not None
 
     def start(self) -> "RedisServer":
         if self.use_docker:
+            from testcontainers.core.config import testcontainers_config
             from testcontainers.core.container import DockerContainer
-            self._container = (DockerContainer("redis:7-alpine")
-                               .with_bind_ports(6379, self.port)
-                               .with_command('redis-server --save "" --appendonly no'))
+            if os.environ.get("TESTCONTAINERS_RYUK_DISABLED") is None and not _has_image(testcontainers_config.ryuk_image):
+                testcontainers_config.ryuk_disabled = True   # its image lives on Docker Hub; stop() cleans up
+            self._container = DockerContainer(self.image).with_command('redis-server --save "" --appendonly no')
+            self._container.ports["6379/tcp"] = ("127.0.0.1", self.port)
             self._container.start()
         else:
             exe = shutil.which("redis-server")

@@ -6,7 +6,8 @@ quickly) on free ports. Playwright drives Debian's chromium headless; no browser
 
 Observables are real: the DOM (``data-state`` on each message), the gateway's ``GET /v1/status`` and
 the request entries the gateway XADDed to Redis (decoded, then compared with the chat template of
-the conversation the page shows).
+the conversation the page shows). Engines delete finished entries, so a ``StreamTap`` reads each
+entry as it is added (a blocked XREAD is served at XADD time).
 
 Screenshots go to test-artifacts/ (gitignored).
 """
@@ -91,10 +92,38 @@ class GatewayThread:
         return httpx.get(self.url + "/v1/status", timeout=5).json()
 
 
+class StreamTap:
+    """Every request the gateways XADD, decoded, read by a blocked XREAD on a thread as it arrives."""
+
+    def __init__(self, redis_url: str):
+        import redis
+        self.r = redis.Redis.from_url(redis_url, socket_timeout=5)
+        self.requests: dict[str, object] = {}
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="stream-tap", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        from shared import names
+        from shared.protocol import GenerateRequest, decode
+        last = "0-0"            # the stack starts on an empty Redis
+        while not self._stop.is_set():
+            for _, entries in self.r.xread({names.REQUEST_STREAM: last}, block=1000) or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    msg = decode(fields[names.PAYLOAD_FIELD])
+                    if isinstance(msg, GenerateRequest):
+                        self.requests[msg.request_id] = msg
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+
+
 class Stack:
-    def __init__(self, model_dir, redis_url, gateway, engine, engine_log):
+    def __init__(self, model_dir, redis_url, gateway, engine, engine_log, tap: StreamTap):
         self.model_dir, self.redis_url, self.gateway = model_dir, redis_url, gateway
-        self.engine, self.engine_log = engine, engine_log
+        self.engine, self.engine_log, self.tap = engine, engine_log, tap
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
 
@@ -110,16 +139,9 @@ class Stack:
 
     def queued_request(self, request_id: str):
         """The GenerateRequest the gateway put on the request stream for this id."""
-        import redis
-
-        from shared import names
-        from shared.protocol import GenerateRequest, decode
-        r = redis.Redis.from_url(self.redis_url)
-        for _, fields in r.xrange(names.REQUEST_STREAM):
-            msg = decode(fields[names.PAYLOAD_FIELD])
-            if isinstance(msg, GenerateRequest) and msg.request_id == request_id:
-                return msg
-        raise AssertionError(f"no request {request_id} on {names.REQUEST_STREAM}")
+        msg = self.tap.requests.get(request_id)
+        assert msg is not None, f"no request {request_id} was added to the request stream"
+        return msg
 
     def wait_running(self, value: int, timeout: float = 15.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -156,15 +178,17 @@ def stack(browser, tiny_model_dir, redis_server):
          "--engine-id", "chat-page-test", "--heartbeat-interval", "0.25", "--drain-timeout", "1"],
         cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
     gateway = GatewayThread(tiny_model_dir, redis_server.url, free_port())
+    tap = StreamTap(redis_server.url)
     try:
         gateway.start()
         gateway.wait_ready(timeout=90)
-        yield Stack(tiny_model_dir, redis_server.url, gateway, engine, engine_log)
+        yield Stack(tiny_model_dir, redis_server.url, gateway, engine, engine_log, tap)
     except BaseException:
         log_file.flush()
         sys.stderr.write("engine log tail:\n" + engine_log.read_text()[-4000:])
         raise
     finally:
+        tap.close()
         gateway.stop()
         engine.terminate()
         try:

@@ -132,6 +132,19 @@ def test_stop_string_with_real_engine(stack, reference):
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_repetition_penalty_with_real_engine(stack, tiny_model_dir):
+    """Sent in extra_body by the SDK, applied by the engine: the offline engine's text with the penalty."""
+    from engine_worker import LLM, SamplingParams
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB")
+    prompt = [40, 41, 42, 43] * 6                   # the tiny model's greedy output repeats one token
+    want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.8))[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert len(set(plain.token_ids)) < len(set(want.token_ids))
+    out = openai_client(stack["srv"]).completions.create(model=stack["model"], prompt=prompt, max_tokens=12,
+                                                         temperature=0, extra_body={"repetition_penalty": 1.8})
+    assert out.choices[0].text == want.text != plain.text
+
+
 @pytest.mark.parametrize("name,path,body,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_malformed_requests(stack, name, path, body, status):
     with httpx.Client(base_url=stack["srv"].url, trust_env=False, timeout=10) as c:
@@ -170,22 +183,22 @@ def test_websocket_chat_and_cancel(stack, reference):
 
 def test_abort_on_disconnect_frees_blocks_within_one_step(stack):
     w = stack["worker"].worker
-    src, engine = w.source, w.engine
+    engine = w.engine
     events: dict = {}
-    orig_abort, orig_on_outputs = src._abort, src.on_outputs
+    orig_abort, orig_route = w._abort, w._route
 
     def spy_abort(rid):
         events.setdefault("abort_read_at_step", engine.step_count)
         return orig_abort(rid)
 
-    def spy_on_outputs(outputs):
+    def spy_route(outputs):
         for o in outputs:
             if o.finish_reason == "abort":
                 events["abort_output_at_step"] = engine.step_count
                 events["stats"] = engine.stats()
-        return orig_on_outputs(outputs)
+        return orig_route(outputs)
 
-    src._abort, src.on_outputs = spy_abort, spy_on_outputs
+    w._abort, w._route = spy_abort, spy_route
     try:
         with httpx.Client(base_url=stack["srv"].url, trust_env=False, timeout=30) as c:
             with c.stream("POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True,
@@ -202,7 +215,7 @@ def test_abort_on_disconnect_frees_blocks_within_one_step(stack):
         st = events["stats"]
         assert st.num_running == 0 and st.num_free_blocks == st.num_blocks, st
     finally:
-        src._abort, src.on_outputs = orig_abort, orig_on_outputs
+        w._abort, w._route = orig_abort, orig_route
 
 
 def test_garbage_stream_entry_is_dead_lettered(stack):
@@ -266,7 +279,7 @@ def test_two_gateways_two_engines_40_concurrent_streams(tiny_model_dir, referenc
         for i, (text, finish, done) in enumerate(results):
             assert done and finish in ("length", "stop"), (i, results[i])
             assert text == reference["texts40"][i], i
-        served = [w.worker.source.counters["requests"] for w in workers]
+        served = [w.worker.counters["requests"] for w in workers]
         assert all(n > 0 for n in served), served
         assert sum(served) == 40
     finally:
@@ -297,7 +310,7 @@ def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_m
         wait_until(lambda: r.exists(names.heartbeat_key("victim")) or proc.poll() is not None, 60)
         assert proc.poll() is None
         wait_until(lambda: srv.gw.monitor.live_engines(), 10)
-        # The survivor is loaded now but starts consuming only after the victim holds requests.
+        # The survivor is loaded now but starts consuming only once the victim is killed.
         survivor = e2e_worker(server.url, tiny_model_dir, "survivor")
         long_results: dict[int, list] = {}
         first_token = [threading.Event(), threading.Event()]
@@ -318,7 +331,6 @@ def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_m
             t.start()
         for e in first_token:
             assert e.wait(60)
-        survivor.start()
         short_results: dict[str, object] = {}
 
         def short(p):
@@ -328,15 +340,19 @@ def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_m
         shorts = [threading.Thread(target=short, args=(p,)) for p in PROMPTS]
         for t in shorts:
             t.start()
+        # The victim holds the two long streams (its max_num_seqs); the shorts are queued behind.
+        wait_until(lambda: len(srv.gw.router.streams) >= 2 + len(PROMPTS), 10, 0.005)
+        assert r.xpending(names.REQUEST_STREAM, names.ENGINE_GROUP)["pending"] == 2   # still running
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        survivor.start()
         for t in threads + shorts:
             t.join(60)
         for k in range(2):
             evs = long_results[k]
             assert evs[-1] == "[DONE]"
             err = json.loads(evs[-2])
-            assert err["error"]["code"] == "engine_lost", evs[-3:]
+            assert err["error"]["code"] == "engine_lost", (len(evs), evs[-3:])
         for p in PROMPTS:
             resp = short_results[p]
             assert resp.status_code == 200, resp.text

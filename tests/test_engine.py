@@ -50,9 +50,18 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
-def make_llm(model_dir, **kw) -> LLM:
+def make_llm(model_dir, forward: str = "compiled", **kw) -> LLM:
+    """forward: "compiled" (torch.compile, the CPU default) or "eager" (enforce_eager)."""
     kw.setdefault("kv_cache_memory", 8 * 2**20)
-    return LLM(str(model_dir), dtype="float32", **kw)
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=forward == "eager", **kw)
+    assert (llm.engine.runner.compiled is not None) == (forward == "compiled")
+    return llm
+
+
+@pytest.fixture(params=["eager", "compiled"])
+def forward(request) -> str:
+    """The HF-equality tests run on both forwards: the compiled model and the eager one."""
+    return request.param
 
 
 def assert_all_blocks_released(llm: LLM) -> None:
@@ -82,18 +91,18 @@ def run_staggered(llm: LLM, prompts, params) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed-weights", "plain-linear"])
-def test_greedy_matches_hf_all_at_once(tiny_model_dir, prompts, expected, packed):
-    """On the CPU in fp32 the projections run on oneDNN-packed weights by default; the plain
-    nn.Linear path (CUDA, bf16) must match HF as well."""
-    llm = make_llm(tiny_model_dir, pack_cpu_weights=packed)
+def test_greedy_matches_hf_all_at_once(tiny_model_dir, prompts, expected, packed, forward):
+    """On the CPU the projections run on oneDNN-packed weights by default; the plain nn.Linear
+    path (CUDA) must match HF as well."""
+    llm = make_llm(tiny_model_dir, forward, pack_cpu_weights=packed)
     assert any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules()) == packed
     got = llm.generate(prompts, greedy())
     assert [c.token_ids for c in got] == expected
     assert_all_blocks_released(llm)
 
 
-def test_greedy_matches_hf_staggered_with_prefix_cache_hits(tiny_model_dir, prompts, expected):
-    llm = make_llm(tiny_model_dir)
+def test_greedy_matches_hf_staggered_with_prefix_cache_hits(tiny_model_dir, prompts, expected, forward):
+    llm = make_llm(tiny_model_dir, forward)
     assert run_staggered(llm, prompts, greedy()) == expected
     assert llm.engine.block_manager.num_hit_tokens >= 2 * 16, "the shared 40-token prefix must hit the cache"
     # The same prompts again: every full block is cached now, and outputs do not change.
@@ -103,21 +112,43 @@ def test_greedy_matches_hf_staggered_with_prefix_cache_hits(tiny_model_dir, prom
     assert_all_blocks_released(llm)
 
 
-def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dir, prompts, expected):
+def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dir, prompts, expected, forward):
     budget = 13     # well under most prompt lengths: prefills span several steps
-    llm = make_llm(tiny_model_dir, max_num_batched_tokens=budget)
+    llm = make_llm(tiny_model_dir, forward, max_num_batched_tokens=budget)
     assert run_staggered(llm, prompts, greedy()) == expected
     assert llm.engine.step_count > max(len(p) for p in prompts) // budget
     assert_all_blocks_released(llm)
 
 
-def test_greedy_matches_hf_under_preemption(tiny_model_dir, prompts, expected):
+def test_greedy_matches_hf_under_preemption(tiny_model_dir, prompts, expected, forward):
     # Room for ~1.5 of the longest sequences: the batch must preempt and recompute.
     cfg_bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4      # K+V * layers * block * kv_heads * head_dim * fp32
-    llm = make_llm(tiny_model_dir, kv_cache_memory=20 * cfg_bytes_per_block, max_num_batched_tokens=64)
+    llm = make_llm(tiny_model_dir, forward, kv_cache_memory=20 * cfg_bytes_per_block,
+                   max_num_batched_tokens=64)
     assert run_staggered(llm, prompts, greedy()) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert_all_blocks_released(llm)
+
+
+def test_attention_ops_outside_a_step_match_the_backend():
+    """The compiled forward's custom ops, called without a step context, find the backend by
+    name and rebuild the metadata from its tensors; pad rows (slot -1) write no KV."""
+    from engine_worker.compiled_forward import paged_attention, write_kv
+    from kernels.interface import AttentionMetadata, get_attention_backend
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.zeros(2, 4, 16, 2, 16), torch.zeros(2, 4, 16, 2, 16)
+    key, value, q = torch.randn(6, 2, 16), torch.randn(6, 2, 16), torch.randn(6, 4, 16)
+    slots = torch.tensor([0, 1, 2, 16, 17, -1])          # seq 0: 3 tokens in block 0; seq 1: 2 in block 1
+    write_kv(key, value, k_cache[0], v_cache[0], slots, "torch")
+    written = k_cache[0].reshape(-1, 2, 16).abs().sum((1, 2)) > 0
+    assert written.nonzero().squeeze(1).tolist() == [0, 1, 2, 16, 17]
+    assert torch.equal(v_cache[0].reshape(-1, 2, 16)[16], value[3])
+    cu, klens = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32)
+    tables = torch.tensor([[0], [1]], dtype=torch.int32)
+    got = paged_attention(q[:5], k_cache[0], v_cache[0], cu, klens, tables, 0.25, "torch")
+    meta = AttentionMetadata(cu, klens, tables, slots[:5], 3, 3, [3, 2], [3, 2])
+    want = get_attention_backend("torch").attention(q[:5], k_cache[0], v_cache[0], meta, 0.25)
+    torch.testing.assert_close(got, want)
 
 
 def test_seeded_sampling_is_batch_independent(tiny_model_dir, prompts):
@@ -166,12 +197,10 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_model_dir, prompt, 
     llm = make_llm(tiny_model_dir)
     with pytest.raises(ValueError, match=match):
         llm.engine.add_request("bad", prompt, params)
-    # the same bad request through the request source comes back as an error output
-    from engine_worker import NewRequest
-    llm.source.put(NewRequest("bad2", prompt, params.to_dict()))
-    outs = llm.step()
-    assert [(o.request_id, o.finish_reason) for o in outs] == [("bad2", "error")]
-    assert match in outs[0].error
+    # the offline API refuses it the same way, before anything is queued
+    with pytest.raises(ValueError, match=match):
+        llm.submit(prompt, params)
+    assert llm.step() == []
     assert llm.generate([[5, 6, 7]], greedy(4))[0].finish_reason == "length"
     assert_all_blocks_released(llm)
 

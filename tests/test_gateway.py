@@ -104,6 +104,15 @@ BAD_REQUESTS = [
     ("logprobs boolean in completions", "/v1/completions", {"prompt": "hi", "logprobs": True}, 400),
     ("presence_penalty out of range", "/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400),
     ("frequency_penalty string", "/v1/completions", {"prompt": "hi", "frequency_penalty": "x"}, 400),
+    ("repetition_penalty zero", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400),
+    ("repetition_penalty negative", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": -1.1}, 400),
+    ("repetition_penalty string", "/v1/completions", {"prompt": "hi", "repetition_penalty": "1.1"}, 400),
+    ("repetition_penalty zero in extra_body", "/v1/completions",
+     {"prompt": "hi", "extra_body": {"repetition_penalty": 0}}, 400),
+    ("extra_body not an object", "/v1/completions", {"prompt": "hi", "extra_body": [1]}, 400),
+    ("extra_body clash", "/v1/completions", {"prompt": "hi", "top_k": 2, "extra_body": {"top_k": 3}}, 400),
+    ("extra_body unknown field", "/v1/completions", {"prompt": "hi", "extra_body": {"frobnicate": 1}}, 400),
     ("seed string", "/v1/completions", {"prompt": "hi", "seed": "abc"}, 400),
     ("seed too large", "/v1/completions", {"prompt": "hi", "seed": 2**70}, 400),
     ("stream string", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400),
@@ -678,6 +687,29 @@ def test_two_gateways_in_one_process_keep_separate_metrics(own_redis, tiny_model
         eng.stop()
 
 
+def test_repetition_penalty_reaches_the_engine(env):
+    """In the body or in extra_body, on both endpoints, as the stock benchmark client sends it."""
+    c, eng = env["client"], env["eng"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [("/v1/completions", {"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1.25}, 1.25),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "extra_body": {"repetition_penalty": 1.5}}, 1.5),
+             ("/v1/chat/completions", chat | {"repetition_penalty": 0.9}, 0.9),
+             ("/v1/chat/completions", chat | {"extra_body": {"repetition_penalty": 2.0, "top_k": 5}}, 2.0),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, 1.0)]
+    for path, body, expected in cases:
+        r = c.post(path, json=body)
+        assert r.status_code == 200, r.text
+        params = eng.requests[r.json()["id"]].req.params
+        assert params["repetition_penalty"] == expected
+        if "top_k" in json.dumps(body):
+            assert params["top_k"] == 5
+    # What `vllm bench serve` sends to /v1/completions.
+    r = c.post("/v1/completions", json={"model": env["model"], "prompt": "hi", "repetition_penalty": 1.0,
+                                        "temperature": 0.0, "max_tokens": 3, "logprobs": None, "ignore_eos": True,
+                                        "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and "[DONE]" in r.text
+
+
 def test_gateway_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import gateway.app, gateway.core\n"
@@ -688,11 +720,11 @@ def test_gateway_imports_without_torch():
 # ---------------------------------------------------------------------- stop strings (unit)
 def test_stop_checker_random_splits():
     import random
-    from gateway.generation import StopChecker
+    from gateway.output import StopChecker
     rng = random.Random(0)
     alphabet = "ab c\n"
     for _ in range(2000):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80)))
         stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 3))]
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
         pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
@@ -705,7 +737,8 @@ def test_stop_checker_random_splits():
                 break
         if not stopped:
             out += sc.flush()
-        hits = [text.find(s) for s in stops if s in text]
-        expected = text[:min(hits)] if hits else text
+        # The stop string that completes first ends the text (the longest one if several end there).
+        ends = [(text.find(s) + len(s), -len(s)) for s in stops if s in text]
+        expected = text[:min(ends)[0] + min(ends)[1]] if ends else text
         assert out == expected, (text, stops, pieces, out)
-        assert stopped == bool(hits)
+        assert stopped == bool(ends)

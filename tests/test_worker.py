@@ -19,7 +19,7 @@ import redis
 
 from shared import names, protocol
 from shared.config import WorkerConfig
-from tests.engine_support import WorkerThread, wait_until
+from tests.engine_support import GatewayAlive, WorkerThread, slow_steps, wait_engine_idle, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,11 +29,13 @@ PROMPTS = [[1, 10, 20, 30], [1, 50, 60], [1, 100, 101, 102, 103, 104], [1, 7]]
 
 # ---------------------------------------------------------------------- helpers
 class FakeGateway:
-    """Subscribes to its reply channel on creation; XADDs requests and aborts; reads TokenBatches."""
+    """Keeps its liveness key and subscribes to its reply channel on creation, as a gateway does;
+    XADDs requests and aborts; reads TokenBatches."""
 
     def __init__(self, url: str, gateway_id: str):
         self.r = redis.Redis.from_url(url, socket_timeout=5)
         self.id = gateway_id
+        self.alive = GatewayAlive(url, gateway_id)
         self.messages: list[protocol.TokenBatch] = []
         self.deltas: dict[str, list[protocol.Delta]] = {}
         self.subscribe()
@@ -48,9 +50,10 @@ class FakeGateway:
                 return
         raise AssertionError("no subscribe confirmation")
 
-    def submit(self, rid: str, prompt: list[int], **params) -> bytes:
+    def submit(self, rid: str, prompt: list[int], deadline: float | None = None, **params) -> bytes:
         params.setdefault("temperature", 0)
-        msg = protocol.GenerateRequest(rid, self.id, list(prompt), params, arrival_time=time.time())
+        msg = protocol.GenerateRequest(rid, self.id, list(prompt), params, arrival_time=time.time(),
+                                       deadline=deadline)
         return self.r.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: protocol.encode(msg)})
 
     def abort(self, rid: str) -> None:
@@ -141,7 +144,7 @@ def test_tokens_equal_offline_greedy(redis_url, start_worker, offline_reference)
         assert all(b.engine_id == w.engine_id for b in gw.messages)
     # Every finished request was XACKed.
     wait_until(lambda: pending_count(gw.r) == 0, what="XACK of finished requests")
-    s = w.source.stats.summary()
+    s = w.round_stats.summary()
     assert s["count"] > 0
     print(f"\nredis round trip per step (tiny model, CPU): {s}")
 
@@ -171,22 +174,22 @@ def test_abort_frees_blocks_within_one_step(redis_url, start_worker):
     gw = FakeGateway(redis_url, "gw-abort")
     w = start_worker()
     events = {}
-    src, engine = w.source, w.engine
-    orig_abort, orig_on_outputs = src._abort, src.on_outputs
+    worker, engine = w.worker, w.engine
+    orig_abort, orig_route = worker._abort, worker._route
 
     def spy_abort(rid):
         events.setdefault("abort_read_at_step", engine.step_count)
         return orig_abort(rid)
 
-    def spy_on_outputs(outputs):
+    def spy_route(outputs):
         for o in outputs:
             if o.request_id == "long" and o.finish_reason == "abort":
                 st = engine.stats()
                 events["abort_output_at_step"] = engine.step_count
                 events["stats"] = st
-        return orig_on_outputs(outputs)
+        return orig_route(outputs)
 
-    src._abort, src.on_outputs = spy_abort, spy_on_outputs
+    worker._abort, worker._route = spy_abort, spy_route
     gw.submit("long", PROMPTS[2], max_tokens=400, ignore_eos=True)
     wait_until(lambda: gw.pump(0.05) is not None and gw.deltas.get("long"), what="first delta")
     assert engine.stats().num_free_blocks < engine.stats().num_blocks
@@ -246,7 +249,7 @@ def test_garbage_entries_are_dead_lettered_and_worker_keeps_serving(redis_url, s
     errors = b" | ".join(f[b"error"] for f in dead)
     assert b"not msgpack" in errors and b"version" in errors and b"no 'm' field" in errors
     wait_until(lambda: pending_count(r) == 0, what="every entry XACKed")
-    assert w.thread.is_alive() and w.source.counters["dead_lettered"] == len(bad_entries)
+    assert w.thread.is_alive() and w.counters["dead_lettered"] == len(bad_entries)
     # Still serving.
     gw.submit("after", PROMPTS[1], max_tokens=3)
     gw.wait(["after"])
@@ -311,7 +314,7 @@ def test_janitor_claims_dead_consumers_entries(redis_url, start_worker):
     if "aborted" in gw.deltas:      # skipped: never run; at most an abort delta without tokens
         assert gw.terminal("aborted").finish_reason == "abort" and gw.tokens("aborted") == []
     assert [f[b"source_id"] for f in dead_letters(r)] == [too_often_id]
-    assert w.source.counters["claimed"] == 3
+    assert w.counters["claimed"] == 3
 
 
 def test_nogroup_recovery_and_redis_outage(tiny_model_dir, start_worker):
@@ -332,11 +335,11 @@ def test_nogroup_recovery_and_redis_outage(tiny_model_dir, start_worker):
         wait_until(lambda: gw.pump(0.05) is not None and gw.deltas.get("through"), what="first delta")
         server.stop()
         time.sleep(1.6)
-        assert w.thread.is_alive() and not w.source.redis_up
+        assert w.thread.is_alive() and not w.redis_up
         server.start()
         gw = FakeGateway(url, "gw-outage")            # the gateway reconnects and resubscribes
         wait_until(lambda: not w.engine.has_unfinished(), timeout=60, what="in-flight work to finish")
-        assert w.source.counters["redis_errors"] > 0
+        assert w.counters["redis_errors"] > 0
         gw.wait(["through"], timeout=30)
         assert gw.terminal("through").num_output_tokens == 200   # the engine kept its work
 
@@ -344,7 +347,7 @@ def test_nogroup_recovery_and_redis_outage(tiny_model_dir, start_worker):
         gw.submit("after", PROMPTS[1], max_tokens=4)
         gw.wait(["after"], timeout=20)
         assert_contiguous(gw.deltas["after"])
-        assert w.source.counters["group_recreated"] >= 1
+        assert w.counters["group_recreated"] >= 1
         wait_until(lambda: gw.r.exists(names.heartbeat_key("e-outage")), what="heartbeat after the restart")
     finally:
         server.stop()
@@ -396,6 +399,141 @@ def test_default_engine_id_is_unique_on_one_host(redis_url, start_worker):
     b = start_worker(engine_id="")
     assert a.engine_id == socket.gethostname()
     assert b.engine_id == socket.gethostname() + "-2"
+
+
+def test_requests_of_a_dead_gateway_are_aborted_within_2s(redis_url, start_worker):
+    gw = FakeGateway(redis_url, "gw-dies")
+    other = FakeGateway(redis_url, "gw-stays")
+    w = start_worker(engine_id="e-orphans")
+    slow_steps(w.engine, 0.01)                       # 400 tokens take > 4 s
+    rids = [f"o{i}" for i in range(4)]
+    for i, rid in enumerate(rids):
+        gw.submit(rid, PROMPTS[i], max_tokens=400, ignore_eos=True)
+    other.submit("kept", PROMPTS[0], max_tokens=500, ignore_eos=True)
+    wait_until(lambda: gw.pump(0.05) is not None and all(r in gw.deltas for r in rids), what="first deltas")
+    assert w.engine.stats().num_running == 5
+    gw.alive.stop_refreshing()                       # the gateway dies: its key lapses in 1.5 s
+    wait_until(lambda: w.engine.stats().num_running <= 1, timeout=5, interval=0.01, what="orphans aborted")
+    st = w.engine.stats()
+    assert st.num_running == 1, st                   # the live gateway's request runs on
+    gw.wait(rids, timeout=5)
+    for rid in rids:
+        assert gw.terminal(rid).finish_reason == "abort" and len(gw.tokens(rid)) < 400
+    other.abort("kept")
+    other.wait(["kept"], timeout=30)
+    assert other.terminal("kept").finish_reason == "abort" and len(other.tokens("kept")) > 0
+    assert w.counters["stopped_gateway_gone"] == 4
+    wait_until(lambda: gw.r.xlen(names.REQUEST_STREAM) == 0, what="every entry deleted")
+    other.alive.delete()
+
+
+def test_engine_running_count_reaches_zero_within_2s_of_gateway_death(redis_url, start_worker):
+    gw = FakeGateway(redis_url, "gw-killed")
+    w = start_worker(engine_id="e-orphans-2")
+    slow_steps(w.engine, 0.01)
+    for i in range(10):
+        gw.submit(f"s{i}", PROMPTS[i % 4], max_tokens=400, ignore_eos=True)
+    wait_until(lambda: gw.pump(0.05) is not None and len(gw.deltas) == 10, what="10 streams")
+    t_dead = gw.alive.stop_refreshing()
+    elapsed = wait_engine_idle(w.engine, timeout=10)
+    since_death = time.monotonic() - t_dead
+    print(f"\nrunning count 0 after {since_death:.2f} s (gateway key TTL {names.GATEWAY_ALIVE_TTL_S} s)")
+    assert since_death < 2.0 + 0.1 and elapsed < 2.1
+    assert all(len(gw.tokens(f"s{i}")) < 400 for i in range(10) if f"s{i}" in gw.deltas)
+
+
+def test_request_past_its_deadline_is_stopped(redis_url, start_worker):
+    gw = FakeGateway(redis_url, "gw-deadline")
+    w = start_worker(engine_id="e-deadline")
+    slow_steps(w.engine, 0.005)
+    gw.submit("late", PROMPTS[2], deadline=time.time() + 0.6, max_tokens=450, ignore_eos=True)
+    gw.submit("on-time", PROMPTS[0], deadline=time.time() + 60, max_tokens=20, ignore_eos=True)
+    gw.submit("expired", PROMPTS[1], deadline=time.time() - 1, max_tokens=20)
+    gw.wait(["late", "on-time", "expired"], timeout=30)
+    late = gw.terminal("late")
+    assert late.finish_reason == "error" and "deadline" in late.error and len(gw.tokens("late")) < 450
+    assert gw.terminal("on-time").finish_reason == "length"
+    assert gw.terminal("expired").finish_reason == "error" and gw.tokens("expired") == []
+    assert w.counters["stopped_deadline"] == 1
+    wait_until(lambda: not w.engine.has_unfinished(), what="the engine idle")
+
+
+def test_stream_holds_only_unfinished_work(redis_url, start_worker):
+    gw = FakeGateway(redis_url, "gw-bounded")
+    r = gw.r
+    w = start_worker(engine_id="e-bounded")
+    n = 24
+    for i in range(n):
+        gw.submit(f"b{i}", PROMPTS[i % 4], max_tokens=3 + i % 5)
+    gw.submit("rejected", [1, 99999])                           # an error delta
+    r.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: b"garbage"})   # a dead letter
+    gw.submit("aborted", PROMPTS[0], max_tokens=400, ignore_eos=True)
+    wait_until(lambda: gw.pump(0.05) is not None and "aborted" in gw.deltas, what="first delta")
+    gw.abort("aborted")
+    gw.wait([f"b{i}" for i in range(n)] + ["rejected", "aborted"])
+    wait_until(lambda: r.xlen(names.REQUEST_STREAM) == 0, what="XLEN kaiten:requests == 0")
+    assert pending_count(r) == 0
+    assert r.xlen(names.DEAD_LETTER_STREAM) == 1
+    assert w.counters["requests"] == n + 1
+
+
+def test_heartbeat_never_lapses_during_a_long_step(redis_url, start_worker):
+    r = redis.Redis.from_url(redis_url)
+    w = start_worker(engine_id="hb-slow", heartbeat_interval=0.2, heartbeat_ttl=0.8)
+    key = names.heartbeat_key("hb-slow")
+    engine, step = w.engine, w.engine.step
+    slow = {"n": 0}
+
+    def slow_step():                  # one step 3 s long (a huge prefill on a slow machine)
+        if slow["n"] == 0 and engine.scheduler.waiting:
+            slow["n"] += 1
+            time.sleep(3.0)
+        return step()
+
+    engine.step = slow_step
+    gw = FakeGateway(redis_url, "gw-slow")
+    gw.submit("slow", PROMPTS[0], max_tokens=3)
+    times, t_end = [], time.monotonic() + 4.0
+    while time.monotonic() < t_end:
+        raw = r.get(key)
+        assert raw is not None, "the heartbeat key lapsed during a long step"
+        times.append(msgpack.unpackb(raw, raw=False)["time"])
+        time.sleep(0.02)
+    gw.wait(["slow"])
+    assert slow["n"] == 1
+    assert len(set(times)) >= 10                       # refreshed all along (every 0.2 s)
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_flowing(redis_url, start_worker):
+    budget = 32
+    w = start_worker(engine_id="e-chunk", engine_kw={"max_num_batched_tokens": budget})
+    sched = w.engine.scheduler
+    batches = []
+    schedule = sched.schedule
+
+    def spy_schedule():
+        b = schedule()
+        batches.append({s.request_id: n for s, n in zip(b.seqs, b.num_new_tokens)})
+        return b
+
+    sched.schedule = spy_schedule
+    gw = FakeGateway(redis_url, "gw-chunk")
+    gw.submit("short", PROMPTS[0], max_tokens=450, ignore_eos=True)
+    wait_until(lambda: gw.pump(0.05) is not None and "short" in gw.deltas, what="short decoding")
+    gw.submit("long", [1] + [(7 * i) % 200 + 2 for i in range(299)], max_tokens=2)
+    gw.submit("late", PROMPTS[1], max_tokens=2)
+    gw.wait(["long", "late"], timeout=60)
+    gw.abort("short")
+    gw.wait(["short"], timeout=60)
+    prefill = [b for b in batches if "long" in b][:-1]   # the long prompt's chunks
+    assert len(prefill) >= 300 // budget, prefill
+    assert all(sum(b.values()) <= budget for b in batches)
+    decoding = [b for b in prefill if "short" in b]
+    assert len(decoding) >= len(prefill) - 1           # short decoded alongside every chunk
+    assert all(b["short"] == 1 for b in decoding)
+    late_admitted = next(i for i, b in enumerate(batches) if "late" in b)
+    long_done = max(i for i, b in enumerate(batches) if "long" in b)
+    assert late_admitted < long_done                    # a new request did not wait for the prefill
 
 
 def test_cli_config_env_and_flags(monkeypatch, tiny_model_dir):

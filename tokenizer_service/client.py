@@ -1,4 +1,7 @@
-"""One async tokenizer interface for the gateway: in-process by default, over HTTP when given a URL.
+"""One async tokenizer interface for the gateway's prompts: in-process by default, over HTTP when given a URL.
+
+Only prompts go through it (encode, chat templates, an echoed prompt's text). Generated tokens are
+always detokenized in the gateway process (``ChatTokenizer.detokenizer``), never over HTTP.
 
     t = make_tokenizer(model_dir)                        # in-process (wraps ChatTokenizer)
     t = make_tokenizer(model_dir, "http://127.0.0.1:8001")  # the tokenizer service
@@ -10,11 +13,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 
-from .tokenizer import ChatTokenizer, IncrementalDetokenizer, PROMPT_CONTEXT_TOKENS, validate_messages
+from .tokenizer import ChatTokenizer, validate_messages
 
 # Above this much text (characters) or this many ids, in-process work runs on a worker thread so
 # the event loop keeps serving other requests.
@@ -24,20 +27,6 @@ OFFLOAD_IDS = 8192
 
 class TokenizerUnavailable(RuntimeError):
     """The tokenizer service cannot be reached, timed out, or failed (not the caller's fault)."""
-
-
-class AsyncDetokenizer(abc.ABC):
-    """Incremental detokenizer for one generated sequence (see IncrementalDetokenizer)."""
-
-    @abc.abstractmethod
-    async def add(self, token_ids: list[int]) -> str: ...
-
-    @abc.abstractmethod
-    async def finish(self) -> str: ...
-
-    @property
-    @abc.abstractmethod
-    def text(self) -> str: ...
 
 
 class AsyncTokenizer(abc.ABC):
@@ -60,9 +49,6 @@ class AsyncTokenizer(abc.ABC):
     @abc.abstractmethod
     async def decode(self, ids: list[int]) -> str: ...
 
-    @abc.abstractmethod
-    def detokenizer(self, prompt_ids: Sequence[int] | None = None) -> AsyncDetokenizer: ...
-
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return (await self.chat_prompt(messages, add_generation_prompt))[0]
 
@@ -81,21 +67,6 @@ class AsyncTokenizer(abc.ABC):
 
 
 # ---------------------------------------------------------------------- in-process
-class _LocalDetokenizer(AsyncDetokenizer):
-    def __init__(self, det: IncrementalDetokenizer):
-        self._det = det
-
-    async def add(self, token_ids: list[int]) -> str:
-        return self._det.add(token_ids)
-
-    async def finish(self) -> str:
-        return self._det.finish()
-
-    @property
-    def text(self) -> str:
-        return self._det.text
-
-
 class LocalAsyncTokenizer(AsyncTokenizer):
     def __init__(self, tokenizer: ChatTokenizer):
         self.tokenizer = tokenizer
@@ -135,69 +106,10 @@ class LocalAsyncTokenizer(AsyncTokenizer):
             return await asyncio.to_thread(self.tokenizer.decode, ids)
         return self.tokenizer.decode(ids)
 
-    def detokenizer(self, prompt_ids: Sequence[int] | None = None) -> AsyncDetokenizer:
-        return _LocalDetokenizer(self.tokenizer.detokenizer(prompt_ids))
-
 
 # ---------------------------------------------------------------------- over HTTP
 def default_timeout() -> httpx.Timeout:
     return httpx.Timeout(connect=2.0, read=30.0, write=30.0, pool=10.0)
-
-
-class _RemoteDetokenizer(AsyncDetokenizer):
-    """Keeps the token window and offsets; each add() is one stateless POST /detokenize."""
-
-    def __init__(self, remote: "RemoteAsyncTokenizer", prompt_ids: Sequence[int] | None):
-        self._remote = remote
-        self._ids: list[int] = []
-        if prompt_ids:
-            skip = remote._skip_ids()
-            tail = [i for i in prompt_ids[-4 * PROMPT_CONTEXT_TOKENS:] if i not in skip]
-            self._ids = tail[-PROMPT_CONTEXT_TOKENS:]
-        self._read = len(self._ids)   # the window always starts at 0 (prefix_offset)
-        self._pieces: list[str] = []
-        self._finished = False
-        self._pending = False
-
-    async def _post(self, final: bool) -> str:
-        body = {"token_ids": self._ids, "prefix_offset": 0, "read_offset": self._read}
-        if final:
-            body["finish"] = True
-        data = await self._remote._request("POST", "/detokenize", body)
-        try:
-            text, prefix, read = data["text"], int(data["prefix_offset"]), int(data["read_offset"])
-        except (KeyError, TypeError, ValueError):
-            raise TokenizerUnavailable("the tokenizer service sent a malformed /detokenize answer") from None
-        if not 0 <= prefix <= read <= len(self._ids):
-            raise TokenizerUnavailable("the tokenizer service sent offsets out of range")
-        del self._ids[:prefix]
-        self._read = read - prefix
-        self._pending = bool(data.get("pending", True))
-        if text:
-            self._pieces.append(text)
-        return text
-
-    async def add(self, token_ids: list[int]) -> str:
-        if self._finished:
-            raise RuntimeError("add() after finish()")
-        skip = self._remote._skip_ids()
-        new = [i for i in token_ids if i not in skip]
-        if not new:
-            return ""
-        self._ids.extend(new)
-        return await self._post(False)
-
-    async def finish(self) -> str:
-        if self._finished:
-            return ""
-        self._finished = True
-        if self._read >= len(self._ids) and not self._pending:
-            return ""
-        return await self._post(True)
-
-    @property
-    def text(self) -> str:
-        return "".join(self._pieces)
 
 
 class RemoteAsyncTokenizer(AsyncTokenizer):
@@ -268,10 +180,6 @@ class RemoteAsyncTokenizer(AsyncTokenizer):
         self._info_sync()
         return self._skip
 
-    def _skip_ids(self) -> frozenset[int]:
-        # Special ids are filtered client-side only when known; the service skips them anyway.
-        return self._skip
-
     # ---- requests
     async def _request(self, method: str, path: str, body: Any = None) -> Any:
         try:
@@ -314,9 +222,6 @@ class RemoteAsyncTokenizer(AsyncTokenizer):
         await self._ready()
         return (await self._request("POST", "/detokenize", {"token_ids": list(ids)}))["text"]
 
-    def detokenizer(self, prompt_ids: Sequence[int] | None = None) -> AsyncDetokenizer:
-        return _RemoteDetokenizer(self, prompt_ids)
-
     async def aclose(self) -> None:
         await self._client.aclose()
 
@@ -332,14 +237,17 @@ def _error_message(r: httpx.Response) -> str:
     return (r.text or r.reason_phrase or str(r.status_code))[:500]
 
 
-def make_tokenizer(model_dir: str, url: str = "") -> AsyncTokenizer:
-    """The gateway's tokenizer: in-process from `model_dir` when `url` is "", else the service at `url`.
+def make_tokenizer(model_dir: str, url: str = "", local: ChatTokenizer | None = None) -> AsyncTokenizer:
+    """The gateway's tokenizer: in-process (`local`, or loaded from `model_dir`) when `url` is "",
+    else the service at `url`.
 
     `model_dir` "" means the default model (shared.gguf_convert.ensure_default_model()). The remote
     tokenizer does not connect here; it fetches /info on first use.
     """
     if url:
         return RemoteAsyncTokenizer(url)
+    if local is not None:
+        return LocalAsyncTokenizer(local)
     if not model_dir:
         from shared.gguf_convert import ensure_default_model
         model_dir = str(ensure_default_model())

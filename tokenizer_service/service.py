@@ -2,6 +2,9 @@
 
     kaiten tokenizer [--host H] [--port P] [--model DIR]
 
+For deployments that tokenize prompts in a separate process (gateway TOKENIZER_URL); the gateway
+never calls it per generated token. No access log: at most the gateway's one line per request.
+
 Endpoints (JSON in, JSON out; errors in the OpenAI shape {"error": {"message", "type", "param", "code"}}):
 
     GET  /health            {"status": "ok"}
@@ -9,10 +12,6 @@ Endpoints (JSON in, JSON out; errors in the OpenAI shape {"error": {"message", "
                              "special_token_ids"}
     POST /tokenize          {"text"} -> {"token_ids"}
     POST /detokenize        {"token_ids"} -> {"text"}                                 (whole sequence)
-                            {"token_ids", "prefix_offset", "read_offset"[, "finish"]}
-                              -> {"text", "prefix_offset", "read_offset", "pending"}   (incremental,
-                              stateless: see ChatTokenizer.detokenize_step; "finish": true flushes
-                              held text; "pending": whether text is held back)
     POST /chat/template     {"messages"[, "add_generation_prompt" (default true)]} -> {"prompt", "token_ids"}
 """
 from __future__ import annotations
@@ -106,7 +105,7 @@ def create_app(tokenizer: ChatTokenizer, model_name: str | None = None) -> Starl
         return JSONResponse({
             "model": name, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
             "vocab_size": tok.vocab_size, "model_max_length": tok.model_max_length,
-            "special_token_ids": sorted(tok.special_token_ids | tok._skip_ids),
+            "special_token_ids": sorted(tok._skip_ids),
         })
 
     async def tokenize(request: Request) -> JSONResponse:
@@ -121,18 +120,8 @@ def create_app(tokenizer: ChatTokenizer, model_name: str | None = None) -> Starl
     async def detokenize(request: Request) -> JSONResponse:
         data = await _json_object(request)
         ids = _ids(data)
-        if "prefix_offset" not in data and "read_offset" not in data:
-            text = await run_in_threadpool(tok.decode, ids) if len(ids) > OFFLOAD_IDS else tok.decode(ids)
-            return JSONResponse({"text": text})
-        prefix = _field(data, "prefix_offset", int, "an integer", default=0)
-        read = _field(data, "read_offset", int, "an integer", default=0)
-        final = _field(data, "finish", bool, "a boolean", default=False)
-        try:
-            text, prefix, read = tok.detokenize_step(ids, prefix, read, final)
-        except ValueError as e:
-            raise BadRequest(str(e), param="read_offset" if "offset" in str(e) else "token_ids") from None
-        pending = not final and tok._pending(ids, prefix, read)
-        return JSONResponse({"text": text, "prefix_offset": prefix, "read_offset": read, "pending": pending})
+        text = await run_in_threadpool(tok.decode, ids) if len(ids) > OFFLOAD_IDS else tok.decode(ids)
+        return JSONResponse({"text": text})
 
     async def chat_template(request: Request) -> JSONResponse:
         data = await _json_object(request)

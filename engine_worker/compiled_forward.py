@@ -1,0 +1,180 @@
+"""The model forward compiled with torch.compile (Inductor's C++/OpenMP codegen) for the CPU.
+
+Inductor fuses the elementwise work between the projections (RMSNorm, RoPE, SiLU * up, the
+residual adds); the projections and paged attention stay library calls. The KV write and paged
+attention are custom ops (``kaiten::write_kv``, ``kaiten::paged_attention``), opaque to the
+compiler, so the graph never breaks: they take the metadata as tensors and find the attention
+backend by name, so any AttentionBackend plugs in.
+
+A backend plans attention once per step from the metadata's host lists (AttentionMetadata), which
+cannot cross the op boundary. The runner therefore registers the step's backend and metadata in
+STEP_CONTEXT_CACHE (per thread) before calling the compiled forward; an op whose metadata tensors
+are that step's uses them (one plan per step, as in eager mode). Called outside such a step, an
+op rebuilds the metadata from its tensors and uses BACKEND_CACHE's instance of the backend.
+
+The token count and the batch's shape vary per step: they are dynamic dimensions, without
+specialising on 0 or 1 (unbacked sizes), so one graph serves every step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.interface import AttentionBackend, AttentionMetadata, get_attention_backend
+
+log = logging.getLogger(__name__)
+
+BACKEND_CACHE: dict[str, AttentionBackend] = {}     # backends by name, for ops called outside a step
+STEP_CONTEXT_CACHE = threading.local()              # .backend, .meta: the step this thread runs
+
+
+def _backend(name: str, device: torch.device) -> AttentionBackend:
+    """The step's backend when it is the one named, else BACKEND_CACHE's."""
+    backend = getattr(STEP_CONTEXT_CACHE, "backend", None)
+    if backend is not None and backend.name == name:
+        return backend
+    if name not in BACKEND_CACHE:
+        BACKEND_CACHE[name] = get_attention_backend(name, device)
+    return BACKEND_CACHE[name]
+
+
+def _metadata(cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+    """The step's metadata when these are its tensors, else one built from them."""
+    meta = getattr(STEP_CONTEXT_CACHE, "meta", None)
+    if (meta is not None and meta.cu_seqlens_q.data_ptr() == cu_seqlens_q.data_ptr()
+            and meta.seqlens_k.data_ptr() == seqlens_k.data_ptr()
+            and meta.block_tables.data_ptr() == block_tables.data_ptr()
+            and meta.block_tables.shape == block_tables.shape):
+        return meta
+    qlens, klens = torch.diff(cu_seqlens_q).tolist(), seqlens_k.tolist()
+    return AttentionMetadata(cu_seqlens_q, seqlens_k, block_tables, torch.empty(0, dtype=torch.int64),
+                             max(qlens, default=0), max(klens, default=0), qlens, klens)
+
+
+@torch.library.custom_op("kaiten::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, backend: str) -> None:
+    """The step's new K/V into the paged cache (slot -1: skipped)."""
+    _backend(backend, key.device).write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+@write_kv.register_fake
+def _write_kv_fake(key, value, k_cache, v_cache, slot_mapping, backend):
+    return None
+
+
+@torch.library.custom_op("kaiten::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float, backend: str) -> torch.Tensor:
+    """q [T, H, D] against the paged cache -> [T, H, D] (kernels/interface.py's contract)."""
+    meta = _metadata(cu_seqlens_q, seqlens_k, block_tables)
+    out = _backend(backend, q.device).attention(q, k_cache, v_cache, meta, scale)
+    return out.clone() if out is q else out         # a custom op's output must not alias an input
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, backend):
+    return torch.empty_like(q)
+
+
+class OpAttention:
+    """An AttentionBackend for the model inside torch.compile: it forwards to the custom ops,
+    which call the backend named `name`."""
+
+    cuda_graph_safe = False
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        torch.ops.kaiten.write_kv(key, value, k_cache, v_cache, slot_mapping, self.name)
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return torch.ops.kaiten.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
+                                                meta.block_tables, scale, self.name)
+
+
+@contextlib.contextmanager
+def step_context(backend: AttentionBackend, meta: AttentionMetadata):
+    """Registers the step's backend and metadata for the ops (see the module docstring)."""
+    STEP_CONTEXT_CACHE.backend, STEP_CONTEXT_CACHE.meta = backend, meta
+    try:
+        yield
+    finally:
+        STEP_CONTEXT_CACHE.backend = STEP_CONTEXT_CACHE.meta = None
+
+
+def inductor_cache_dir() -> Path:
+    """Where Inductor keeps compiled artifacts across restarts: TORCHINDUCTOR_CACHE_DIR if set,
+    else ~/.cache/kaiten/inductor."""
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path.home() / ".cache" / "kaiten" / "inductor")
+
+
+def configure_inductor() -> None:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    import torch._inductor.config as inductor_config
+    inductor_config.fx_graph_cache = True
+    inductor_config.autotune_local_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+
+
+def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block_tables, slot_mapping):
+    meta = AttentionMetadata(cu_seqlens_q, seqlens_k, block_tables, slot_mapping, 0, 0)
+    return model(ids, pos, kv_caches, meta, backend)
+
+
+class CompiledForward:
+    """model(input_ids, positions, kv_caches, meta, backend) through torch.compile; call
+    warm_up() once at start-up.
+
+    The model, its KV cache and the backend are arguments of the compiled function, not
+    constants: the weights are graph inputs, so another engine with the same model config in
+    this process reuses the graph instead of compiling its own."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches, backend: AttentionBackend):
+        configure_inductor()
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.ops = OpAttention(backend.name)
+        for k_cache, v_cache in kv_caches:          # the pool's size differs between engines
+            torch._dynamo.decorators.mark_unbacked(k_cache, 0)
+            torch._dynamo.decorators.mark_unbacked(v_cache, 0)
+        self._fn = torch.compile(_forward, dynamic=False, fullgraph=True)
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        for t in (ids, pos, meta.slot_mapping, meta.cu_seqlens_q, meta.seqlens_k):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
+        torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
+        with step_context(self.backend, meta):
+            return self._fn(self.model, self.kv_caches, self.ops, ids, pos, meta.cu_seqlens_q, meta.seqlens_k,
+                            meta.block_tables, meta.slot_mapping)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile (or load from Inductor's cache) before the first request: one graph serves
+        every batch shape. The warm-up batch writes no KV (slot -1). Its inputs are inference
+        tensors, as the runner's are (a tensor of another kind would fail a guard and recompile).
+        Returns the seconds taken."""
+        start = time.perf_counter()
+        log.info("compiling the model for %s (1/1) ...", self.model.__class__.__name__)
+        dev = self.kv_caches[0][0].device
+        lens = [3, 1]
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, 3, 4], dtype=torch.int32, device=dev),
+            seqlens_k=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((2, 1), dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((4,), -1, dtype=torch.int64, device=dev),
+            max_seqlen_q=3, max_seqlen_k=3, seqlens_q_list=lens, seqlens_k_list=lens)
+        ids = torch.zeros(4, dtype=torch.int64, device=dev)
+        pos = torch.tensor([0, 1, 2, 0], dtype=torch.int64, device=dev)
+        self(ids, pos, meta)
+        seconds = time.perf_counter() - start
+        log.info("compiled the model in %.1f s (Inductor cache: %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        return seconds

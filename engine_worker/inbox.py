@@ -1,0 +1,88 @@
+"""What the Redis threads hand to the engine loop: stream entries, aborts, requests to stop.
+
+Readers ``put_*``; the loop ``take()``s everything at the top of each step. The request reader
+reads no more entries than the loop's last ``set_capacity``, minus what waits here or was taken
+since, so an engine never takes requests it has no room for (other engines can serve them)."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StreamEntry:
+    entry_id: bytes
+    fields: dict | None          # None: the entry was deleted while pending
+    deliveries: int
+    source: str                  # "new", "pending" (own, re-read), "claimed from X", "orphan"
+
+
+@dataclass(slots=True)
+class Stop:
+    request_id: str
+    reason: str                  # "gateway_gone" | "deadline"
+
+
+@dataclass(slots=True)
+class Arrivals:
+    entries: list[StreamEntry] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    stops: list[Stop] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries or self.aborts or self.stops)
+
+
+class Inbox:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._box = Arrivals()
+        self._capacity = 0
+        self.wake = threading.Event()        # set by every put: the idle loop waits on it
+
+    def put_entries(self, entries: list[StreamEntry]) -> None:
+        self._put(lambda b: b.entries.extend(entries), bool(entries))
+
+    def put_aborts(self, request_ids: list[str]) -> None:
+        self._put(lambda b: b.aborts.extend(request_ids), bool(request_ids))
+
+    def put_stops(self, stops: list[Stop]) -> None:
+        self._put(lambda b: b.stops.extend(stops), bool(stops))
+
+    def _put(self, add, nonempty: bool) -> None:
+        if not nonempty:
+            return
+        with self._cond:
+            add(self._box)
+        self.wake.set()
+
+    def take(self) -> Arrivals:
+        """Everything that arrived. The entries taken count against the capacity until the loop
+        sets it again (after admitting them)."""
+        with self._cond:
+            box, self._box = self._box, Arrivals()
+            self._capacity -= len(box.entries)       # they are the engine's now
+            self.wake.clear()
+        return box
+
+    def entry_ids(self) -> set[bytes]:
+        with self._cond:
+            return {e.entry_id for e in self._box.entries}
+
+    def set_capacity(self, n: int) -> None:
+        with self._cond:
+            self._capacity = n
+            self._cond.notify_all()
+
+    def wait_room(self, timeout: float) -> int:
+        """(request reader) How many entries to read now; waits up to `timeout` for room."""
+        with self._cond:
+            room = self._capacity - len(self._box.entries)
+            if room <= 0:
+                self._cond.wait(timeout)
+                room = self._capacity - len(self._box.entries)
+            return max(0, room)
+
+    def wait(self, timeout: float) -> None:
+        """(loop, idle) Until something arrives or `timeout` passes."""
+        self.wake.wait(timeout)
