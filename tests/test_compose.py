@@ -55,7 +55,7 @@ def check_config(cfg: dict) -> None:
     # GPU reservation on the engine, a CPU engine in the cpu profile.
     devices = services["engine"]["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in d.get("capabilities", []) for d in devices)
-    assert not services["engine"].get("profiles")
+    assert services["engine"]["profiles"] == ["gpu"]
     assert services["engine-cpu"]["profiles"] == ["cpu"]
     assert "deploy" not in services["engine-cpu"]
     assert services["engine-cpu"]["environment"]["KAITEN_DEVICE"] == "cpu"
@@ -71,7 +71,9 @@ def check_config(cfg: dict) -> None:
         env = services[name]["environment"]
         assert env["REDIS_URL"] == "redis://redis:6379/0", name
         assert env["KAITEN_MODELS_DIR"] == "/models", name
-    assert services["gateway"]["environment"]["TOKENIZER_URL"] == "http://tokenizer:8001"
+    # Prompts tokenized in-process unless KAITEN_TOKENIZER_URL names the (optional) tokenizer service.
+    assert services["gateway"]["environment"].get("TOKENIZER_URL") in (None, "", "${KAITEN_TOKENIZER_URL:-}")
+    assert services["tokenizer"]["profiles"] == ["tokenizer"]
     assert services["gateway"]["environment"]["KAITEN_HOST"] == "0.0.0.0"
     assert services["tokenizer"]["environment"]["KAITEN_HOST"] == "0.0.0.0"
 
@@ -95,6 +97,14 @@ def _compose_cmd() -> list[str] | None:
     return ["docker-compose"] if shutil.which("docker-compose") else None
 
 
+def _published(port) -> tuple[str, str]:
+    """(host ip, host port) of a normalized port: v2 writes a mapping, v1 "IP:PORT:TARGET/tcp"."""
+    if isinstance(port, dict):
+        return port.get("host_ip", ""), str(port["published"])
+    ip, published, _ = port.rsplit(":", 2)
+    return ip, published
+
+
 def test_docker_compose_config(tmp_path):
     compose = _compose_cmd()
     if compose is None:
@@ -113,20 +123,40 @@ def test_docker_compose_config(tmp_path):
         # v2 drops inactive services from `config`; v1 keeps them with their `profiles`.
         return {n for n, svc in cfg["services"].items() if not svc.get("profiles") or set(svc["profiles"]) & profiles}
 
-    with_cpu = yaml.safe_load(config("--profile", "cpu", "config").stdout)
-    check_config(with_cpu)
-    assert "engine-cpu" in active(with_cpu, {"cpu"})
+    both = yaml.safe_load(config("--profile", "cpu", "--profile", "gpu", "--profile", "tokenizer", "config").stdout)
+    check_config(both)
+    # Each engine has its profile: `--profile cpu up` starts no GPU engine, and no profile starts neither.
+    # The tokenizer service is optional (profile tokenizer): gateways tokenize in-process.
+    with_cpu = active(yaml.safe_load(config("--profile", "cpu", "config").stdout), {"cpu"})
+    assert {"engine-cpu", "gateway", "redis", "nginx"} <= with_cpu and not {"engine", "tokenizer"} & with_cpu
+    with_gpu = active(yaml.safe_load(config("--profile", "gpu", "config").stdout), {"gpu"})
+    assert "engine" in with_gpu and "engine-cpu" not in with_gpu
     default = active(yaml.safe_load(config("config").stdout), set())
-    assert {"engine", "gateway", "tokenizer", "redis", "nginx"} <= default and "engine-cpu" not in default
+    assert {"gateway", "redis", "nginx"} <= default and not {"engine", "engine-cpu", "tokenizer"} & default
     # Environment overrides reach the services.
-    cfg = yaml.safe_load(config("config", extra_env={"KAITEN_HTTP_PORT": "9123",
-                                                     "KAITEN_KV_CACHE_MEMORY": "3GiB"}).stdout)
+    cfg = yaml.safe_load(config("--profile", "gpu", "config", extra_env={"KAITEN_HTTP_PORT": "9123",
+                                                                       "KAITEN_KV_CACHE_MEMORY": "3GiB"}).stdout)
     assert cfg["services"]["engine"]["environment"]["KAITEN_KV_CACHE_MEMORY"] == "3GiB"
-    assert str(cfg["services"]["nginx"]["ports"][0]["published"]) == "9123"
+    assert _published(cfg["services"]["nginx"]["ports"][0]) == ("0.0.0.0", "9123")
+    # Official images by default; scripts/compose-check.sh's local stand-ins and wheels by variable.
+    svc = cfg["services"]
+    assert svc["redis"]["image"] == "redis:7-alpine" and svc["nginx"]["image"].startswith("nginx:")
+    assert svc["gateway"]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim"
+    assert not svc["gateway"]["build"]["args"]["FIND_LINKS"]
+    local = {"REDIS_IMAGE": "kaiten-local/redis:7", "NGINX_IMAGE": "kaiten-local/nginx:1.22",
+             "PYTHON_IMAGE": "kaiten-local/python:3.11", "KAITEN_FIND_LINKS": "/wheels",
+             "KAITEN_HTTP_HOST": "127.0.0.1"}
+    svc = yaml.safe_load(config("--profile", "cpu", "--profile", "tokenizer", "config", extra_env=local).stdout)["services"]
+    assert svc["redis"]["image"] == "kaiten-local/redis:7" and svc["nginx"]["image"] == "kaiten-local/nginx:1.22"
+    for name in ("gateway", "engine-cpu", "tokenizer", "model-init"):
+        assert svc[name]["build"]["args"]["BASE_IMAGE"] == "kaiten-local/python:3.11", name
+        assert svc[name]["build"]["args"]["FIND_LINKS"] == "/wheels", name
+    assert _published(svc["nginx"]["ports"][0])[0] == "127.0.0.1"
 
 
 def test_dockerfile_matches_the_package():
     text = DOCKERFILE.read_text()
+    install_deps = (ROOT / "docker" / "install_deps.py").read_text()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
     assert torch_pin in text, f"{torch_pin} not pinned in the Dockerfile"
@@ -136,7 +166,13 @@ def test_dockerfile_matches_the_package():
     assert 'ENTRYPOINT ["kaiten"]' in text
     # EXTRAS (the GPU image's flash-attn) come from pyproject's optional dependencies, installed
     # with the other dependencies: the package itself goes in with --no-deps, which skips extras.
-    assert 'project["optional-dependencies"][e]' in text and 'os.environ.get("EXTRAS"' in text
+    assert "RUN python install_deps.py" in text
+    assert 'project["optional-dependencies"][e]' in install_deps and 'os.environ.get("EXTRAS"' in install_deps
+    # The classic builder (no BuildKit) builds it too: no heredocs, no syntax frontend from Docker Hub.
+    assert "<<" not in text and "# syntax=" not in text
+    # Local wheels only with FIND_LINKS; by default torch comes from the index.
+    assert re.search(r'^ARG FIND_LINKS=""$', text, re.M) and "COPY docker/wheels/ /wheels/" in text
+    assert 'if [ -n "$FIND_LINKS" ]' in text
 
 
 def test_nginx_conf_directives():
