@@ -7,6 +7,8 @@ write). The step is the engine's whole step (schedule, forward, sample), the med
 KV bytes the step's attention reads.
 
     .venv/bin/python bench/decode_step.py --device cuda [--attention-backend triton] [--enforce-eager]
+    .venv/bin/python bench/decode_step.py --device cpu --batch 1 --context 256 [--enforce-eager]
+    (on the CPU --enforce-eager runs the eager model instead of the torch.compile'd one)
     .venv/bin/python bench/decode_step.py --render bench/results/gpu   # one table of every run
 
 Writes OUT.json and OUT.md (default bench/results/decode_step).
@@ -84,6 +86,7 @@ def measure(args) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "model": Path(engine.config.model).name, "dtype": str(runner.dtype).removeprefix("torch."),
         "attention_backend": runner.backend.name, "cuda_graphs": runner.graphs is not None,
+        "compiled": runner.compiled is not None,
         "batch": args.batch, "context": args.context, "steps": args.steps,
         "step_ms_median": 1e3 * step, "step_ms_p90": 1e3 * sorted(times)[int(0.9 * len(times))],
         "weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes, "copy_bandwidth_gbs": bw / 1e9,
@@ -95,12 +98,12 @@ def measure(args) -> dict:
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| device | dtype | attention | CUDA graphs | batch x context | step ms (p50 / p90) | "
+    lines = ["| device | dtype | attention | CUDA graphs / compiled | batch x context | step ms (p50 / p90) | "
              "floor: weights ms | step / floor | floor: weights+KV ms | step / floor | copy GB/s | tok/s |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['device']} | {r['dtype']} | {r['attention_backend']} | {'on' if r['cuda_graphs'] else 'off'} | "
+            f"| {r['device']} | {r['dtype']} | {r['attention_backend']} | {'on' if r['cuda_graphs'] else 'off'} / {'yes' if r.get('compiled') else 'no'} | "
             f"{r['batch']} x {r['context']} | {r['step_ms_median']:.2f} / {r['step_ms_p90']:.2f} | "
             f"{r['floor_ms_weights']:.3f} | **{r['ratio_to_weight_floor']:.2f}x** | {r['floor_ms_weights_kv']:.3f} | "
             f"{r['ratio_to_weight_kv_floor']:.2f}x | {r['copy_bandwidth_gbs']:.0f} | {r['output_tokens_per_s']:.0f} |")

@@ -93,10 +93,10 @@ def run_kaiten(llm: LLM, reqs) -> dict:
 
 
 def step_until_decoding(llm: LLM) -> None:
-    """Step until every submitted request has its whole prompt computed (the source queue drained
-    included): the steps after this are decode-only."""
+    """Step until every submitted request has its whole prompt computed: the steps after this are
+    decode-only."""
     engine = llm.engine
-    while (len(llm.source) or engine.scheduler.waiting
+    while (engine.scheduler.waiting
            or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running)):
         llm.step()
 
@@ -126,7 +126,11 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--attention-backend", default="auto", help="auto | torch | triton | flash_attn")
-    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="CUDA: no decode CUDA graphs; CPU: the eager model (no torch.compile)")
+    ap.add_argument("--forward-ab", action="store_true",
+                    help="Kaiten only, no HF baselines, no files: the eager and the compiled forward on the "
+                         "same workload, one after the other, per dtype")
     ap.add_argument("--out", default=str(RESULTS / "engine_throughput"), help="writes OUT.md and OUT.json")
     ap.add_argument("--hf-single-requests", type=int, default=0,
                     help="run (a), the slowest baseline, on only the first N requests (0: all); "
@@ -145,6 +149,9 @@ def main() -> None:
                "attention_backend": args.attention_backend,
                "cuda_graphs": device.type == "cuda" and not args.enforce_eager,
                "torch": torch.__version__, "load_avg_before": load_avg(), "runs": {}}
+    if args.forward_ab:
+        forward_ab(args, dtypes, counts)
+        return
     profile_text = ""
     for dtype_name in dtypes:
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
@@ -178,6 +185,20 @@ def main() -> None:
     Path(f"{out}.json").write_text(json.dumps(results, indent=2))
     Path(f"{out}.md").write_text(render(results, profile_text))
     print(render(results, profile_text))
+
+
+def forward_ab(args, dtypes: list[str], counts: dict[str, int]) -> None:
+    for dtype_name in dtypes:
+        for eager in (True, False):
+            llm = LLM(args.model, dtype=dtype_name, kv_cache_memory=args.kv_cache_memory,
+                      max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+                      attention_backend=args.attention_backend, enforce_eager=eager)
+            reqs = workload(counts[dtype_name], llm.engine.vocab_size)
+            llm.generate([reqs[0][0][:64]], SamplingParams(temperature=0, max_tokens=4))      # warm-up
+            r = run_kaiten(llm, reqs)
+            print(f"{dtype_name} {'eager' if eager else 'compiled'}: {r['output_tokens'] / r['wall_s']:.1f} tok/s, "
+                  f"{r['wall_s']:.1f} s, {r['steps']} steps", flush=True)
+            del llm
 
 
 def request_counts(spec: str, dtypes: list[str]) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """Serving benchmark: Poisson arrivals against the gateway's streaming /v1/completions.
 
-Starts a redis-server, one `kaiten engine` and one `kaiten gateway` as subprocesses (or uses a
-running gateway with --url), then measures, per request rate, TTFT, inter-token latency (gaps
+Runs `kaiten up` as it ships (a subprocess: its own redis-server, one engine, one gateway that
+tokenizes in-process; engine settings through KAITEN_* variables), or uses a running gateway with
+--url, then measures, per request rate, TTFT, inter-token latency (gaps
 between SSE chunks), TPOT and end-to-end latency (p50/p99), output tokens/s and errors. The
 workload is bench/engine_throughput.py's (prompts uniform 32..512 random token ids, outputs
 uniform 16..256 with ignore_eos, greedy); each phase draws its own prompts (seed + phase), so the
@@ -51,104 +52,79 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench.machine import cpu_name  # noqa: E402
 from shared import names  # noqa: E402
-from shared.launcher import free_port, wait_redis  # noqa: E402
+from shared.launcher import free_port  # noqa: E402
 
 GOAL_SLACK_S = 0.020          # first token within one engine step plus 20 ms
+REDIS_RE = re.compile(r"redis at (redis://\S+)")
 STEP_RE = re.compile(r"engine\.step n=(\d+) mean=(\d+)us p50=(\d+)us p99=(\d+)us max=(\d+)us")
 
 
 # ---------------------------------------------------------------------- the system under test
 @dataclass(slots=True)
-class Proc:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
+class System:
+    """`kaiten up` as it ships (its own redis-server, one engine, one gateway tokenizing in-process),
+    as a subprocess; engine settings through the KAITEN_* environment its children read. Its
+    output (every child's log) goes to one file under a temporary directory."""
+    model: str
+    num_threads: int
+    env: dict[str, str]
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kaiten-bench-serve-")))
+    proc: subprocess.Popen | None = None
+    redis_url: str = ""
+    url: str = ""
 
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "kaiten-up.log"
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-
-@dataclass(slots=True)
-class System:
-    """redis-server, one engine worker and one gateway; logs under a temporary directory."""
-    model: str
-    num_threads: int
-    engine_args: list[str]
-    gateway_args: list[str]
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kaiten-bench-serve-")))
-    procs: list[Proc] = field(default_factory=list)
-    redis_url: str = ""
-    url: str = ""
-
-    def _spawn(self, name: str, argv: list[str]) -> Proc:
+    def start(self, ready_timeout: float) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", **self.env)
+        env.pop("REDIS_URL", None)               # kaiten up starts its own Redis
+        env.pop("TOKENIZER_URL", None)
         if self.num_threads > 0:
             env["OMP_NUM_THREADS"] = str(self.num_threads)
-        log_path = self.workdir / f"{name}.log"
-        with open(log_path, "wb") as logf:
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                    cwd=ROOT, start_new_session=True)   # Ctrl-C reaches only the bench
-        p = Proc(name, proc, log_path)
-        self.procs.append(p)
-        return p
-
-    def start(self, ready_timeout: float) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise SystemExit("redis-server is not installed (bash scripts/setup.sh), or pass --url")
+            env["KAITEN_NUM_THREADS"] = str(self.num_threads)
         port = free_port()
-        self._spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                              "--dir", str(self.workdir), "--loglevel", "warning"])
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
-        wait_redis(self.redis_url)
-        kaiten = [sys.executable, "-m", "shared.cli"]
-        self._spawn("engine", kaiten + ["engine", "--model", self.model, "--redis-url", self.redis_url,
-                                        "--engine-id", "bench-engine", "--dtype", "auto",
-                                        "--num-threads", str(self.num_threads), *self.engine_args])
-        gw_port = free_port()
-        self._spawn("gateway", kaiten + ["gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--model",
-                                         self.model, "--redis-url", self.redis_url, "--log-level", "warning",
-                                         *self.gateway_args])
-        self.url = f"http://127.0.0.1:{gw_port}"
-        self._wait_ready(ready_timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        import httpx
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for p in self.procs:
-                if p.proc.poll() is not None:
-                    raise RuntimeError(f"{p.name} exited with code {p.proc.returncode}:\n{p.log_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+        with open(self.log_path, "wb") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", "--model", self.model,
+                                          "--port", str(port), "--ready-timeout", str(ready_timeout)],
+                                         env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                         cwd=ROOT, start_new_session=True)   # Ctrl-C reaches only the bench
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + ready_timeout
+        while "Kaiten is up" not in self.log_text():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kaiten up exited with code {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kaiten up was not ready within {ready_timeout:.0f} s (log: {self.log_path})")
             time.sleep(0.5)
-        raise RuntimeError(f"the gateway was not ready within {timeout:.0f} s (logs in {self.workdir})")
+        m = REDIS_RE.search(self.log_text())
+        self.redis_url = m.group(1) if m else ""
 
-    def stop(self) -> None:
-        for p in reversed(self.procs):       # gateway, engine (it logs its step times), redis
-            p.stop()
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ctrl-C, as a user stops it: the gateway, then the engine (it logs its step times), then Redis."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
 
     def engine_step_report(self) -> dict | None:
         """The worker's last 'engine.step' summary (logged every minute and when it stops)."""
-        engine = next((p for p in self.procs if p.name == "engine"), None)
-        matches = STEP_RE.findall(engine.log_text()) if engine else []
+        matches = STEP_RE.findall(self.log_text())
         if not matches:
             return None
         n, mean, p50, p99, mx = map(int, matches[-1])
         return {"count": n, "mean_ms": mean / 1e3, "p50_ms": p50 / 1e3, "p99_ms": p99 / 1e3, "max_ms": mx / 1e3}
+
+    def log_lines(self) -> int:
+        return len(self.log_text().splitlines())
 
 
 class ReplyTap:
@@ -409,6 +385,9 @@ def render(res: dict) -> str:
         verdict = "meets" if sat["ratio"] >= 0.9 else "misses"
         lines.append(f"**Gateway saturation / offline**: {sat['served_tokens_per_s']:.1f} / "
                      f"{sat['offline_tokens_per_s']:.1f} = **{100 * sat['ratio']:.1f}%** ({verdict} the >= 90% goal).")
+    if res.get("log_lines_per_request") is not None:
+        lines.append(f"**Log lines per request** (all of `kaiten up`'s output at its default level, during the "
+                     f"measured phases): {res['log_lines_per_request']:.2f}.")
     idle = next((s for s in res["phases"] if s["phase"] == "idle"), None)
     if idle and idle["goal"].get("measured"):
         g = idle["goal"]
@@ -589,18 +568,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url, redis_url = args.url, args.redis_url
         if not url:
-            engine_args = ["--kv-cache-memory", args.kv_cache_memory,
-                           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-            gateway_args = [] if args.engine_timeout is None else ["--engine-timeout", str(args.engine_timeout)]
-            system = System(args.model, args.num_threads, engine_args, gateway_args)
-            print(f"starting redis, engine, gateway (logs in {system.workdir})", flush=True)
+            env = {"KAITEN_KV_CACHE_MEMORY": args.kv_cache_memory,
+                   "KAITEN_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
+                   "KAITEN_ENGINE_ID": "bench-engine"}
+            if args.engine_timeout is not None:
+                env["KAITEN_ENGINE_TIMEOUT"] = str(args.engine_timeout)
+            system = System(args.model, args.num_threads, env)
+            print(f"starting kaiten up (log: {system.log_path})", flush=True)
             system.start(args.ready_timeout)
             url, redis_url = system.url, system.redis_url
         tap = ReplyTap(redis_url) if redis_url else None
         times = tap.engine_times if tap else None
         model = asyncio.run(served_model_name(url))
         asyncio.run(warm_up(url, model, vocab))
+        lines_before = system.log_lines() if system else 0
         res.update(run_phases(args, url, model, vocab, times))
+        if system is not None:
+            n_req = sum(p["requests"] for p in res["phases"])
+            res["log_lines_per_request"] = (system.log_lines() - lines_before) / max(1, n_req)
     finally:
         if tap is not None:
             tap.close()

