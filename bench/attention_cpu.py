@@ -1,4 +1,5 @@
-"""CPU paged-attention benchmark: TorchAttention against a naive per-sequence loop.
+"""CPU paged-attention benchmark: TorchAttention and the fused C++ kernel (CppAttention, backend
+"cpu") against a naive per-sequence loop.
 
 SmolLM2-135M attention shapes (9 query heads, 3 KV heads, head_dim 64), bf16 (the serving dtype)
 and fp32, block size 16,
@@ -10,7 +11,8 @@ Cases:
             + a fresh 256-token prefill
 Per case: median over --runs calls of one layer's attention (the step's plan is built on the
 first layer and reused by the others, as in the engine; its cost is reported separately), the
-same for the naive loop in the same run, and for the batched path with no length grouping.
+same for the naive loop in the same run, for the batched path with no length grouping, and for
+the C++ kernel (skipped when it cannot be built here).
 
     .venv/bin/python bench/attention_cpu.py [--runs 30] [--threads N] [--out bench/results]
 """
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import cpu_name, load_avg  # noqa: E402
 from bench.timing import median_ms  # noqa: E402
 from kernels.interface import AttentionMetadata  # noqa: E402
+from kernels.cpu_attention import CppAttention, cpp_attention_available  # noqa: E402
 from kernels.torch_attention import TorchAttention  # noqa: E402
 
 HQ, HKV, D, BS = 9, 3, 64, 16
@@ -118,6 +121,9 @@ def bench_case(name, specs, dtype, runs, seed):
            "flat": lambda: flat.attention(q, kc, vc, meta, SCALE),
            "naive": lambda: naive_attention(q, kc, vc, meta, SCALE),
            "first_call": first_call}
+    cpp = CppAttention() if cpp_attention_available() else None
+    if cpp is not None:
+        fns["cpp"] = lambda: cpp.attention(q, kc, vc, meta, SCALE)
     # 1) wall clock with the configured torch threads
     med, mn = _time_contenders(fns, runs, time.perf_counter)
     # 2) CPU time of the calling thread with torch on 1 thread: insensitive to time the process
@@ -132,6 +138,7 @@ def bench_case(name, specs, dtype, runs, seed):
     ref = naive_attention(q, kc, vc, meta, SCALE).float()
     err = (fast.attention(q, kc, vc, meta, SCALE).float() - ref).abs().max().item()
     err_flat = (flat.attention(q, kc, vc, meta, SCALE).float() - ref).abs().max().item()
+    err_cpp = None if cpp is None else (cpp.attention(q, kc, vc, meta, SCALE).float() - ref).abs().max().item()
     plan = fast._plan
     padded = sum(g.n * g.nblk * BS for g in plan.decode_groups)
     dec_ctx = sum(ctx for ql, ctx in specs if ql == 1)
@@ -164,6 +171,12 @@ def bench_case(name, specs, dtype, runs, seed):
         "cpu1_min": {k: r(v) for k, v in mn1.items()},
         "max_abs_diff_vs_naive": err,
         "max_abs_diff_ungrouped_vs_naive": err_flat,
+        "cpp_ms": None if cpp is None else r(med["cpp"]),
+        "cpp_min_ms": None if cpp is None else r(mn["cpp"]),
+        "cpu1_cpp_ms": None if cpp is None else r(med1["cpp"]),
+        "cpp_speedup_vs_torch": None if cpp is None else round(med["fast"] / med["cpp"], 2),
+        "cpu1_cpp_speedup_vs_torch": None if cpp is None else round(med1["fast"] / med1["cpp"], 2),
+        "max_abs_diff_cpp_vs_naive": err_cpp,
     }
 
 
@@ -230,7 +243,7 @@ def main(argv=None):
 def _markdown(r) -> str:
     e = r["env"]
     lines = [
-        "# CPU paged attention (TorchAttention) vs a naive per-sequence loop",
+        "# CPU paged attention (TorchAttention, the C++ kernel) vs a naive per-sequence loop",
         "",
         f"{e['heads']}, torch {e['torch']}, {e['threads']} threads on "
         f"{e['cpu']} ({e['cpu_count']} CPUs). One layer's attention call; median of "
@@ -262,6 +275,20 @@ def _markdown(r) -> str:
             f"| {c['case']} | {c['cpu1_torch_ms']:.2f} | {c['cpu1_naive_ms']:.2f} | "
             f"**{c['cpu1_speedup_vs_naive']:.2f}x** | {c['cpu1_torch_ungrouped_ms']:.2f} | "
             f"{c['cpu1_torch_first_call_ms']:.2f} |")
+    if any(c["cpp_ms"] is not None for c in r["cases"]):
+        lines += [
+            "",
+            "The fused C++ kernel (backend \"cpu\") in the same runs (median ms; speedup over torch):",
+            "",
+            "| case | C++ ms | torch ms | speedup | C++ CPU-time 1 thread | torch | speedup |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in r["cases"]:
+            if c["cpp_ms"] is not None:
+                lines.append(
+                    f"| {c['case']} | {c['cpp_ms']:.2f} ({c['cpp_min_ms']:.2f}) | {c['torch_ms']:.2f} | "
+                    f"**{c['cpp_speedup_vs_torch']:.2f}x** | {c['cpu1_cpp_ms']:.2f} | {c['cpu1_torch_ms']:.2f} | "
+                    f"**{c['cpu1_cpp_speedup_vs_torch']:.2f}x** |")
     lines += [""]
     for c in r["cases"]:
         lines.append(
@@ -269,7 +296,9 @@ def _markdown(r) -> str:
             f"{c['decode_padded_tokens']} gathered positions for {c['decode_context_tokens']} "
             "context tokens; "
             f"prefill chunks (q_len, ctx) {c['prefill_chunks']}; max |torch - naive| "
-            f"{c['max_abs_diff_vs_naive']:.3g}.")
+            f"{c['max_abs_diff_vs_naive']:.3g}"
+            + ("" if c["max_abs_diff_cpp_vs_naive"] is None
+               else f", max |C++ - naive| {c['max_abs_diff_cpp_vs_naive']:.3g}") + ".")
     lines += [
         f"- write_kv (bf16): {r['write_kv_64_tokens_ms']} ms for 64 tokens, "
         f"{r['write_kv_512_tokens_ms']} ms for 512 tokens (random slots).",

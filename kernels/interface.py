@@ -1,4 +1,4 @@
-"""The paged-attention interface every backend implements (torch on CPU, Triton, flash-attn).
+"""The paged-attention interface every backend implements (C++ or torch on CPU, Triton, flash-attn).
 
 A step's batch is packed varlen: the query tokens of all sequences are concatenated, prefill
 chunks and decodes alike, with no padding. Sequence i contributes q_len_i = cu_seqlens_q[i+1] -
@@ -56,7 +56,8 @@ class AttentionBackend(Protocol):
 
 
 def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """'auto' picks flash-attn, then Triton, on CUDA; torch on CPU."""
+    """'auto' picks flash-attn, then Triton, on CUDA; on the CPU the fused C++ kernel ('cpu') when
+    it builds here, else torch (the reference, always selectable by name)."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cuda":
@@ -66,7 +67,11 @@ def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu"
             except ImportError:
                 name = "triton"
         else:
-            name = "torch"
+            from kernels.cpu_attention import cpp_attention_available
+            name = "cpu" if cpp_attention_available() else "torch"
+    if name == "cpu":
+        from kernels.cpu_attention import CppAttention
+        return CppAttention()
     if name == "torch":
         from kernels.torch_attention import TorchAttention
         return TorchAttention()
@@ -76,4 +81,4 @@ def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu"
     if name == "flash_attn":
         from kernels.flash_attention import FlashAttention
         return FlashAttention()
-    raise ValueError(f"unknown attention backend {name!r} (torch, triton, flash_attn, auto)")
+    raise ValueError(f"unknown attention backend {name!r} (cpu, torch, triton, flash_attn, auto)")

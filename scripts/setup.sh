@@ -8,6 +8,7 @@ extras="${1:-}"
 
 need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v g++ >/dev/null || need_apt+=(g++)            # builds the C++ CPU attention kernel on first use
 if [[ "$extras" == *test* ]]; then
   [ -x /usr/bin/chromium ] || need_apt+=(chromium chromium-driver)
   command -v nginx >/dev/null || need_apt+=(nginx-light)               # tests run docker/nginx.conf

@@ -85,7 +85,7 @@ class EngineConfig(_EnvConfig):
     max_model_len: int = 0               # 0: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     pack_cpu_weights: bool = True        # CPU fp32: projections on oneDNN-packed weights (faster decode)
-    attention_backend: str = "auto"      # auto | torch | triton | flash_attn
+    attention_backend: str = "auto"      # auto | cpu (C++) | torch | triton | flash_attn
     ENV_NAMES = {"model": "KAITEN_MODEL"}
 
     def token_budget(self) -> int:

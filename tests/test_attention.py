@@ -335,4 +335,5 @@ def test_q_dtype_differs_from_cache():
 def test_registry_returns_torch_backend():
     be = get_attention_backend("torch")
     assert isinstance(be, TorchAttention) and be.name == "torch"
-    assert get_attention_backend("auto", "cpu").name == "torch"
+    from kernels.cpu_attention import cpp_attention_available
+    assert get_attention_backend("auto", "cpu").name == ("cpu" if cpp_attention_available() else "torch")

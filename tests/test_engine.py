@@ -112,9 +112,11 @@ def test_greedy_matches_hf_staggered_with_prefix_cache_hits(tiny_model_dir, prom
     assert_all_blocks_released(llm)
 
 
-def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dir, prompts, expected, forward):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dir, prompts, expected, forward, backend):
+    """auto is the C++ kernel wherever it builds; torch is its fallback and reference."""
     budget = 13     # well under most prompt lengths: prefills span several steps
-    llm = make_llm(tiny_model_dir, forward, max_num_batched_tokens=budget)
+    llm = make_llm(tiny_model_dir, forward, max_num_batched_tokens=budget, attention_backend=backend)
     assert run_staggered(llm, prompts, greedy()) == expected
     assert llm.engine.step_count > max(len(p) for p in prompts) // budget
     assert_all_blocks_released(llm)

@@ -1,0 +1,165 @@
+"""CppAttention: the fused C++ paged-attention kernel for the CPU (kernels/csrc/paged_attention_cpu.cpp).
+
+One kernel call per layer covers the whole step, decodes and prefill chunks alike: it reads K/V
+in place from the paged cache (no gather copy), processes the G query heads of a kv head together
+with an online softmax in fp32, and spreads (sequence, kv head, query tile) work items over the
+torch threads. float32 and bfloat16.
+
+The extension is compiled on first use with torch.utils.cpp_extension (needs a C++ compiler with
+OpenMP, and ninja), once per process, and cached on disk: TORCH_EXTENSIONS_DIR if set, else
+~/.cache/kaiten/torch_extensions, under the torch version. The build targets the CPU it runs on
+(AVX-512 with bf16, AVX-512, AVX2, else at::vec's portable code; KAITEN_CPU_ISA forces one), and
+the capability is part of the extension's name, so machines that share the cache get builds of
+their own. cpp_attention_available() says whether the kernel can be used;
+get_attention_backend("auto") falls back to the torch backend when it cannot.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels.interface import AttentionMetadata
+from kernels.torch_attention import TorchAttention
+
+__all__ = ["CppAttention", "cpp_attention_available", "load_extension"]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+# The loaded extension module, or the reason it could not be built (per process).
+_EXTENSION_CACHE: dict[str, object] = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"]
+_ISA_FLAGS = {
+    "avx512bf16": _AVX512 + ["-mavx512bf16"],
+    "avx512": _AVX512,
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+    "default": [],                 # at::vec's portable code
+}
+
+
+def cpu_capability() -> tuple[str, list[str]]:
+    """(name, compiler flags) of the vector ISA to build for: at::vec picks its implementation
+    from the CPU_CAPABILITY_* macro, the -m flags let the compiler emit it. KAITEN_CPU_ISA
+    (avx512bf16, avx512, avx2, default) forces a lower one, e.g. to test the AVX2 build."""
+    forced = os.environ.get("KAITEN_CPU_ISA")
+    if forced:
+        if forced not in _ISA_FLAGS:
+            raise ValueError(f"KAITEN_CPU_ISA={forced!r}: expected one of {', '.join(_ISA_FLAGS)}")
+        return forced, _ISA_FLAGS[forced]
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        isa = "avx512bf16" if "avx512_bf16" in flags else "avx512"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        isa = "avx2"
+    else:
+        isa = "default"
+    return isa, _ISA_FLAGS[isa]
+
+
+def _build_dir(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "kaiten" / "torch_extensions"
+    # the torch version too: an extension is tied to the libtorch it was built against
+    path = Path(root) / f"torch-{torch.__version__}" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _put_venv_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the pip package's binary sits next to the venv's
+    python, which is not on PATH when the venv is not activated."""
+    venv_bin = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def load_extension():
+    """The compiled extension (built on first use, then loaded from the cache); raises on failure."""
+    if "module" in _EXTENSION_CACHE:
+        return _EXTENSION_CACHE["module"]
+    if "error" in _EXTENSION_CACHE:
+        raise RuntimeError(_EXTENSION_CACHE["error"])
+    from torch.utils import cpp_extension
+
+    try:
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx) is None:
+            raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
+        _put_venv_ninja_on_path()
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("ninja is not installed (pip install ninja, or apt-get install ninja-build)")
+        cap, cflags = cpu_capability()
+        name = f"kaiten_paged_attention_{cap}"
+        build_dir = _build_dir(name)
+        if not any(build_dir.glob(f"{name}*.so")):
+            log.info("building the CPU attention kernel (%s) in %s ...", cap, build_dir)
+        # -fopenmp: at::parallel_for is inline OpenMP code; the extension joins torch's libgomp
+        module = cpp_extension.load(name=name, sources=[str(_SOURCE)],
+                                    extra_cflags=["-O3", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"],
+                                    build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
+        _EXTENSION_CACHE["error"] = f"{type(e).__name__}: {e}"
+        raise
+    _EXTENSION_CACHE["module"] = module
+    return module
+
+
+def cpp_attention_available() -> bool:
+    """Whether the C++ kernel builds and loads here (the first call may compile it)."""
+    if "module" in _EXTENSION_CACHE:
+        return True
+    if "error" in _EXTENSION_CACHE:
+        return False
+    try:
+        load_extension()
+        return True
+    except Exception:  # noqa: BLE001
+        log.warning("the CPU attention kernel is unavailable, using the torch backend: %s",
+                    _EXTENSION_CACHE["error"])
+        return False
+
+
+class CppAttention:
+    """CPU paged attention through the fused C++ kernel. Stateless apart from the loaded
+    extension, so one instance may serve several threads."""
+
+    name = "cpu"
+    cuda_graph_safe = False
+
+    def __init__(self) -> None:
+        self._ext = load_extension()
+        self._write = TorchAttention()
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._write.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out_dtype = q.dtype
+        if q.dtype != k_cache.dtype:
+            q = q.to(k_cache.dtype)
+        out = self._ext.paged_attention(q, k_cache, v_cache, _int32(meta.cu_seqlens_q),
+                                        _int32(meta.seqlens_k), _int32(meta.block_tables), float(scale))
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)

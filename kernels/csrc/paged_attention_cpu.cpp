@@ -1,0 +1,520 @@
+// Fused paged attention for the CPU (the contract is kernels/interface.py's).
+//
+// One kernel serves decodes and (chunked) prefills alike. The packed varlen batch is cut into
+// work items (sequence, kv head, tile of up to kMaxTileRows / G query tokens). An item holds the
+// G query heads of its kv head for each of its tokens as R = tokens * G fp32 query rows (scaled),
+// and walks the context in tiles of KT = 16 keys read in place from the paged cache (no gather
+// copy), so each K and V row is read once per item for all R rows. Per key tile:
+//   S = Q K^T   many rows (prefill): the K tile is converted to fp32 and transposed to [D][KT],
+//               and the dot products are vector FMAs over keys; few rows (decode, R <= 4): one
+//               dot product per row and key straight from the cache row;
+//   softmax     online: running max and sum per row in fp32, causal mask per row (query j of a
+//               sequence sits at position ctx - q_len + j and sees keys 0..that position);
+//   O += P V    vector FMAs over head_dim, O in fp32.
+// While a tile is computed, the next tile's K/V rows are prefetched (they are strided and
+// scattered over blocks; waiting for them otherwise dominates a decode).
+//
+// Parallelism: items are sorted by estimated cost (rows x keys), longest first, and the threads of
+// at::parallel_for pull them from a shared atomic counter, so a step of many short decodes and a
+// step with one long prefill chunk both keep every thread busy. Each thread has its own scratch.
+//
+// Written against ATen's at::vec::Vectorized<float>; the build picks AVX-512 or AVX2 through the
+// CPU_CAPABILITY_* macro and the matching -m flags, and needs -fopenmp (kernels/cpu_attention.py).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int VL = Vec::size();            // floats per vector: 16 (AVX-512), 8 (AVX2, portable)
+constexpr int KT = 16;                     // keys per tile
+constexpr int KV = KT / VL;                // vectors per row of scores
+constexpr int RB = 4;                      // rows per P V register block; most rows of a direct item
+constexpr int kMaxTileRows = 64;           // target rows (tokens x G) per work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(KT % VL == 0, "a key tile must be whole vectors");
+// Fully unrolled fixed-size loops let the compiler keep the accumulator arrays in registers.
+#define UNROLL _Pragma("GCC unroll 16")
+
+struct Geometry {
+  int64_t hq, hkv, group, d, dp, block_size, num_blocks, max_blocks;
+  int64_t q_tok_stride, q_head_stride;     // q strides (elements)
+  int64_t kv_row_stride;                   // cache stride between consecutive token slots
+};
+
+struct WorkItem {
+  int32_t seq, kv_head, q_begin, q_end;    // query tokens [q_begin, q_end) of the sequence
+  int64_t cost;
+};
+
+// Per-thread fp32 scratch. Padding columns [d, dp) stay zero for the lifetime of the buffers.
+struct Scratch {
+  std::vector<float> q, o, kf, kt, vf, s, p, lsum, m, corr;
+  std::vector<int64_t> pos;                // context position of each row's token
+  std::vector<int> valid;
+  Scratch(int64_t rows, int64_t dp)
+      : q(rows * dp, 0.f), o(rows * dp, 0.f), kf(KT * dp, 0.f), kt(dp * KT, 0.f),
+        vf(KT * dp, 0.f), s(rows * KT, 0.f), p(rows * KT, 0.f), lsum(rows * KT, 0.f),
+        m(rows, kNegInf), corr(rows, 1.f), pos(rows, 0), valid(rows, 0) {}
+};
+
+// ------------------------------------------------------------------------------ loads / stores
+// VL elements at p as fp32.
+template <typename T>
+inline Vec load_f32(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec v;
+    at::vec::load_to_float<T>(p, v);
+    return v;
+  }
+}
+
+// Horizontal sum / max. Vectorized::reduce_* does not compile in at::vec's portable build.
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_add();
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+#endif
+}
+inline float hmax(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_max();
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
+#endif
+}
+
+template <typename T>
+inline void row_to_f32(const T* src, float* dst, int64_t d) {
+  int64_t i = 0;
+  for (; i + VL <= d; i += VL) load_f32(src + i).store(dst + i);
+  for (; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Element offsets of the tile's key positions [kt0, kt0 + nk) in the cache, for one kv head (the
+// same for k_cache and v_cache).
+inline void tile_offsets(const int32_t* table, int64_t kt0, int nk, int64_t kv_head,
+                         const Geometry& g, int64_t* offs) {
+  int64_t b = kt0 / g.block_size, off = kt0 % g.block_size;
+  int64_t base = (table[b] * g.block_size) * g.kv_row_stride + kv_head * g.d;
+  for (int j = 0; j < nk; ++j) {
+    offs[j] = base + off * g.kv_row_stride;
+    if (++off == g.block_size && j + 1 < nk) {
+      off = 0;
+      base = (table[++b] * g.block_size) * g.kv_row_stride + kv_head * g.d;
+    }
+  }
+}
+
+// Asks for the K and V rows of the next tile while this one is computed: the rows of one kv head
+// are strided and scattered over blocks, and waiting on them otherwise dominates a decode. Into
+// L2 (locality 2): measured twice as fast as into L1, which has few slots for misses in flight.
+template <typename T>
+inline void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* offs, int nk, int64_t d) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int j = 0; j < nk; ++j)
+    for (int64_t i = 0; i < d; i += kLine) {
+      __builtin_prefetch(k_cache + offs[j] + i, 0, 2);
+      __builtin_prefetch(v_cache + offs[j] + i, 0, 2);
+    }
+}
+
+// ------------------------------------------------------------------------------ S = Q K^T
+// NR query rows against one key tile: s[r][0:KT] = sum_d q[r][d] * kt[d][0:KT]. NR x KV
+// independent FMA chains; the q[r][d] broadcasts fold into the FMAs.
+template <int NR>
+inline void qk_block(const float* q, int64_t dp, const float* kt, float* s) {
+  Vec acc[NR * KV];
+  UNROLL for (int i = 0; i < NR * KV; ++i) acc[i] = Vec(0.f);
+  for (int64_t d = 0; d < dp; ++d) {
+    Vec k[KV];
+    UNROLL for (int v = 0; v < KV; ++v) k[v] = Vec::loadu(kt + d * KT + v * VL);
+    UNROLL for (int r = 0; r < NR; ++r) {
+      const Vec a(q[r * dp + d]);
+      UNROLL for (int v = 0; v < KV; ++v) acc[r * KV + v] = at::vec::fmadd(a, k[v], acc[r * KV + v]);
+    }
+  }
+  UNROLL for (int r = 0; r < NR; ++r)
+    UNROLL for (int v = 0; v < KV; ++v) acc[r * KV + v].store(s + r * KT + v * VL);
+}
+
+inline void qk_rows(const float* q, int64_t rows, int64_t dp, const float* kt, float* s) {
+  constexpr int kRows = 8;
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) qk_block<kRows>(q + r * dp, dp, kt, s + r * KT);
+  const float* qr = q + r * dp;
+  float* sr = s + r * KT;
+  switch (rows - r) {
+    case 7: qk_block<7>(qr, dp, kt, sr); break;
+    case 6: qk_block<6>(qr, dp, kt, sr); break;
+    case 5: qk_block<5>(qr, dp, kt, sr); break;
+    case 4: qk_block<4>(qr, dp, kt, sr); break;
+    case 3: qk_block<3>(qr, dp, kt, sr); break;
+    case 2: qk_block<2>(qr, dp, kt, sr); break;
+    case 1: qk_block<1>(qr, dp, kt, sr); break;
+    default: break;
+  }
+}
+
+// Few rows (a decode: the G heads of one token): one dot product per row and key straight from the
+// cache rows, cheaper than converting and transposing the tile for so few rows. Needs d == dp.
+template <int NR, typename T>
+inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, int nk, float* s) {
+  for (int j = 0; j < nk; ++j) {
+    Vec acc[NR];
+    UNROLL for (int r = 0; r < NR; ++r) acc[r] = Vec(0.f);
+    for (int64_t c = 0; c < dp; c += VL) {
+      const Vec k = load_f32(krows[j] + c);
+      UNROLL for (int r = 0; r < NR; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * dp + c), k, acc[r]);
+    }
+    UNROLL for (int r = 0; r < NR; ++r) s[r * KT + j] = hsum(acc[r]);
+  }
+}
+
+template <typename T>
+inline void qk_direct(const float* q, int64_t rows, int64_t dp, const T* const* krows, int nk, float* s) {
+  switch (rows) {
+    case 4: qk_direct_block<4>(q, dp, krows, nk, s); break;
+    case 3: qk_direct_block<3>(q, dp, krows, nk, s); break;
+    case 2: qk_direct_block<2>(q, dp, krows, nk, s); break;
+    default: qk_direct_block<1>(q, dp, krows, nk, s); break;
+  }
+}
+
+// ------------------------------------------------------------------------------ online softmax
+// Row r sees the first valid[r] keys of the tile (0: none). Rescales the running sum, writes
+// p = exp(s - new max) (0 for masked keys) and the factor corr[r] that rescales the output row.
+inline void softmax_update(Scratch& w, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = w.s.data() + r * KT;
+    float* p = w.p.data() + r * KT;
+    const int n = w.valid[r];
+    if (n <= 0) {
+      std::fill(p, p + KT, 0.f);
+      w.corr[r] = 1.f;
+      continue;
+    }
+    std::fill(s + n, s + KT, kNegInf);
+    Vec sv[KV];
+    Vec mx(kNegInf);
+    UNROLL for (int v = 0; v < KV; ++v) {
+      sv[v] = Vec::loadu(s + v * VL);
+      mx = at::vec::maximum(mx, sv[v]);
+    }
+    const float m_new = std::max(w.m[r], hmax(mx));
+    const float corr = std::exp(w.m[r] - m_new);      // exp(-inf) = 0 on the first tile
+    const Vec mv(m_new), cv(corr);
+    float* l = w.lsum.data() + r * KT;
+    UNROLL for (int v = 0; v < KV; ++v) {
+      const Vec pv = (sv[v] - mv).exp_u20();
+      pv.store(p + v * VL);
+      at::vec::fmadd(Vec::loadu(l + v * VL), cv, pv).store(l + v * VL);
+    }
+    w.m[r] = m_new;
+    w.corr[r] = corr;
+  }
+}
+
+// ------------------------------------------------------------------------------ O += P V
+// NR rows, NC vectors of head_dim starting at d0: o = o * corr + sum_j p[j] * v_j. The V rows are
+// fp32 (converted, or an fp32 cache) or the cache's rows (converted here: few rows, a decode).
+template <int NR, int NC, typename TV>
+inline void pv_block(float* o, int64_t dp, const float* p, const float* corr,
+                     const TV* const* vrows, int nkeys, int64_t d0) {
+  Vec acc[NR][NC];
+  UNROLL for (int r = 0; r < NR; ++r)
+    UNROLL for (int c = 0; c < NC; ++c)
+      acc[r][c] = Vec::loadu(o + r * dp + d0 + c * VL) * Vec(corr[r]);
+  for (int j = 0; j < nkeys; ++j) {
+    Vec vv[NC];
+    UNROLL for (int c = 0; c < NC; ++c) vv[c] = load_f32(vrows[j] + d0 + c * VL);
+    UNROLL for (int r = 0; r < NR; ++r) {
+      const Vec pj(p[r * KT + j]);
+      UNROLL for (int c = 0; c < NC; ++c) acc[r][c] = at::vec::fmadd(pj, vv[c], acc[r][c]);
+    }
+  }
+  UNROLL for (int r = 0; r < NR; ++r)
+    UNROLL for (int c = 0; c < NC; ++c) acc[r][c].store(o + r * dp + d0 + c * VL);
+}
+
+template <int NR, typename TV>
+inline void pv_cols(float* o, int64_t dp, const float* p, const float* corr,
+                    const TV* const* vrows, int nkeys) {
+  int64_t d0 = 0;
+  for (; d0 + 2 * VL <= dp; d0 += 2 * VL) pv_block<NR, 2>(o, dp, p, corr, vrows, nkeys, d0);
+  for (; d0 < dp; d0 += VL) pv_block<NR, 1>(o, dp, p, corr, vrows, nkeys, d0);
+}
+
+template <typename TV>
+inline void pv_rows(Scratch& w, int64_t rows, int64_t dp, const TV* const* vrows) {
+  for (int64_t r = 0; r < rows; r += RB) {
+    const int nr = static_cast<int>(std::min<int64_t>(RB, rows - r));
+    const int nkeys = *std::max_element(w.valid.begin() + r, w.valid.begin() + r + nr);
+    float* o = w.o.data() + r * dp;
+    const float* p = w.p.data() + r * KT;
+    const float* corr = w.corr.data() + r;
+    switch (nr) {
+      case 4: pv_cols<4>(o, dp, p, corr, vrows, nkeys); break;
+      case 3: pv_cols<3>(o, dp, p, corr, vrows, nkeys); break;
+      case 2: pv_cols<2>(o, dp, p, corr, vrows, nkeys); break;
+      default: pv_cols<1>(o, dp, p, corr, vrows, nkeys); break;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ one work item
+template <typename T>
+struct Inputs {
+  const T* q;
+  const T* k_cache;
+  const T* v_cache;
+  T* out;
+  const int32_t* cu_seqlens_q;
+  const int32_t* seqlens_k;
+  const int32_t* block_tables;
+  float scale;
+};
+
+// Loads the K tile transposed into w.kt [dp][KT] (keys past nk: stale, masked later).
+template <typename T>
+inline void load_k_tile(const T* k_cache, const int64_t* offs, int nk, const Geometry& g, Scratch& w) {
+  if constexpr (std::is_same_v<T, float>) {
+    // rows at a fixed stride (a full tile inside one block): transpose straight from the cache
+    bool strided = nk == KT && g.d == g.dp;
+    for (int j = 1; strided && j < KT; ++j) strided = offs[j] - offs[j - 1] == g.kv_row_stride;
+    if (strided) {
+      for (int64_t d0 = 0; d0 < g.dp; d0 += 16)
+        at::vec::transpose_mxn<float, KT, 16>(k_cache + offs[0] + d0, g.kv_row_stride,
+                                               w.kt.data() + d0 * KT, KT);
+      return;
+    }
+  }
+  for (int j = 0; j < nk; ++j) row_to_f32(k_cache + offs[j], w.kf.data() + j * g.dp, g.d);
+  for (int64_t d0 = 0; d0 < g.dp; d0 += 16)
+    at::vec::transpose_mxn<float, KT, 16>(w.kf.data() + d0, g.dp, w.kt.data() + d0 * KT, KT);
+}
+
+// Pointers to the tile's V rows as fp32: the cache itself for fp32 with an unpadded head_dim,
+// else rows converted into w.vf.
+template <typename T>
+inline void load_v_tile(const T* v_cache, const int64_t* offs, int nk, const Geometry& g, Scratch& w,
+                        const float** vrows) {
+  for (int j = 0; j < nk; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (g.d == g.dp) {
+        vrows[j] = v_cache + offs[j];
+        continue;
+      }
+    }
+    row_to_f32(v_cache + offs[j], w.vf.data() + j * g.dp, g.d);
+    vrows[j] = w.vf.data() + j * g.dp;
+  }
+}
+
+// Query rows (token-major, then the G heads of the kv head), pre-scaled, into w.q; resets state.
+template <typename T>
+inline void init_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
+  const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
+  const int64_t rows = (it.q_end - it.q_begin) * g.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q0 + r / g.group, head = it.kv_head * g.group + r % g.group;
+    const T* src = in.q + tok * g.q_tok_stride + head * g.q_head_stride;
+    float* dst = w.q.data() + r * g.dp;
+    for (int64_t i = 0; i < g.d; ++i) dst[i] = static_cast<float>(src[i]) * in.scale;
+  }
+  std::fill(w.o.begin(), w.o.begin() + rows * g.dp, 0.f);
+  std::fill(w.lsum.begin(), w.lsum.begin() + rows * KT, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+}
+
+template <typename T>
+inline void store_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
+  const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
+  const int64_t rows = (it.q_end - it.q_begin) * g.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q0 + r / g.group, head = it.kv_head * g.group + r % g.group;
+    const float* l = w.lsum.data() + r * KT;
+    float sum = 0.f;
+    for (int j = 0; j < KT; ++j) sum += l[j];
+    const float inv = 1.f / sum;
+    const float* o = w.o.data() + r * g.dp;
+    T* dst = in.out + (tok * g.hq + head) * g.d;
+    for (int64_t i = 0; i < g.d; ++i) dst[i] = static_cast<T>(o[i] * inv);
+  }
+}
+
+template <typename T>
+void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
+  const int64_t ctx = in.seqlens_k[it.seq];
+  const int64_t q_len = in.cu_seqlens_q[it.seq + 1] - in.cu_seqlens_q[it.seq];
+  const int64_t first_pos = ctx - q_len + it.q_begin;   // position of the item's first token
+  const int64_t last_pos = ctx - q_len + it.q_end - 1;
+  const int64_t rows = (it.q_end - it.q_begin) * g.group;
+  const int32_t* table = in.block_tables + it.seq * g.max_blocks;
+  const bool direct = rows <= RB && g.d == g.dp;
+  const float* vrows[KT];
+  const T* krows_c[KT];                        // the tile's rows in the cache (direct path)
+  const T* vrows_c[KT];
+
+  int64_t offs[KT], next_offs[KT];
+  const int first_nk = static_cast<int>(std::min<int64_t>(KT, last_pos + 1));
+  tile_offsets(table, 0, first_nk, it.kv_head, g, offs);
+  prefetch_rows(in.k_cache, in.v_cache, offs, first_nk, g.d);
+  init_rows(in, it, g, w);
+  for (int64_t r = 0; r < rows; ++r) w.pos[r] = first_pos + r / g.group;
+  for (int64_t kt0 = 0; kt0 <= last_pos; kt0 += KT) {
+    const int nk = static_cast<int>(std::min<int64_t>(KT, last_pos + 1 - kt0));
+    const int next_nk = static_cast<int>(std::clamp<int64_t>(last_pos + 1 - kt0 - KT, 0, KT));
+    if (next_nk > 0) {
+      tile_offsets(table, kt0 + KT, next_nk, it.kv_head, g, next_offs);
+      prefetch_rows(in.k_cache, in.v_cache, next_offs, next_nk, g.d);
+    }
+    if (direct) {
+      for (int j = 0; j < nk; ++j) {
+        krows_c[j] = in.k_cache + offs[j];
+        vrows_c[j] = in.v_cache + offs[j];
+      }
+      qk_direct(w.q.data(), rows, g.dp, krows_c, nk, w.s.data());
+    } else {
+      load_k_tile(in.k_cache, offs, nk, g, w);
+      load_v_tile(in.v_cache, offs, nk, g, w, vrows);
+      qk_rows(w.q.data(), rows, g.dp, w.kt.data(), w.s.data());
+    }
+    for (int64_t r = 0; r < rows; ++r)        // causal: row r sees positions <= its own
+      w.valid[r] = static_cast<int>(std::clamp<int64_t>(w.pos[r] + 1 - kt0, 0, nk));
+    softmax_update(w, rows);
+    if (direct) {
+      pv_rows(w, rows, g.dp, vrows_c);
+    } else {
+      pv_rows(w, rows, g.dp, vrows);
+    }
+    std::copy(next_offs, next_offs + next_nk, offs);
+  }
+  store_rows(in, it, g, w);
+}
+
+// ------------------------------------------------------------------------------ planning
+// Checks the metadata against the cache (a bad block id would read out of bounds) and cuts the
+// batch into work items, most expensive first.
+std::vector<WorkItem> plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
+                                 int64_t num_seqs, int64_t num_tokens, const Geometry& g) {
+  TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == num_tokens,
+              "cu_seqlens_q must run from 0 to the number of query tokens");
+  const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / g.group);
+  std::vector<WorkItem> items;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = cu[i + 1] - cu[i], ctx = seqlens_k[i];
+    TORCH_CHECK(q_len >= 0, "cu_seqlens_q must be non-decreasing");
+    if (q_len == 0 || ctx == 0) continue;    // an empty context (a pad row): zeros, see below
+    TORCH_CHECK(q_len <= ctx, "sequence ", i, ": ", q_len, " query tokens but a context of ", ctx);
+    const int64_t nblk = (ctx + g.block_size - 1) / g.block_size;
+    TORCH_CHECK(nblk <= g.max_blocks, "block_tables has fewer columns than sequence ", i, " needs");
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int32_t blk = bt[i * g.max_blocks + b];
+      TORCH_CHECK(blk >= 0 && blk < g.num_blocks, "sequence ", i, ": block id ", blk, " out of range");
+    }
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
+      const int64_t t1 = std::min(q_len, t0 + tile_tokens);
+      const int64_t keys = ctx - q_len + t1;
+      const int64_t cost = (t1 - t0) * g.group * keys + 64 * g.group;
+      for (int64_t h = 0; h < g.hkv; ++h)
+        items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(h), static_cast<int32_t>(t0),
+                         static_cast<int32_t>(t1), cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
+
+template <typename T>
+void run_all(const Inputs<T>& in, const std::vector<WorkItem>& items, const Geometry& g) {
+  const int64_t rows = std::max<int64_t>(1, kMaxTileRows / g.group) * g.group;
+  int64_t total = 0;
+  for (const auto& it : items) total += it.cost;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (int64_t)items.size());
+  if (threads <= 1 || total < 4096) {      // under ~30 us of work: not worth waking threads
+    Scratch w(rows, g.dp);
+    for (const auto& it : items) run_item(in, it, g, w);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w(rows, g.dp);
+    for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1))
+      run_item(in, items[i], g, w);
+  });
+}
+
+}  // namespace
+
+// q [T, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] (same dtype: float32 or
+// bfloat16), cu_seqlens_q int32 [B+1], seqlens_k int32 [B], block_tables int32 [B, max_blocks]
+// -> out [T, Hq, D] in q's dtype.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor cu_seqlens_q, torch::Tensor seqlens_k,
+                              torch::Tensor block_tables, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [T, Hq, D] and the cache [N, bs, Hkv, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "CPU tensors expected");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  for (const auto* t : {&cu_seqlens_q, &seqlens_k, &block_tables})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->device().is_cpu(), "metadata must be int32 CPU tensors");
+  TORCH_CHECK(block_tables.dim() == 2 && seqlens_k.dim() == 1 && cu_seqlens_q.dim() == 1 &&
+              cu_seqlens_q.size(0) == seqlens_k.size(0) + 1 && block_tables.size(0) == seqlens_k.size(0),
+              "metadata shapes: cu_seqlens_q [B+1], seqlens_k [B], block_tables [B, max_blocks]");
+  const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d, "query head_dim ", d, " != cache head_dim ", k_cache.size(3));
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "num_heads ", hq, " is not a multiple of num_kv_heads ", hkv);
+
+  q = q.stride(2) == 1 ? q : q.contiguous();
+  auto cu = cu_seqlens_q.contiguous();
+  auto lens = seqlens_k.contiguous();
+  auto bt = block_tables.contiguous();
+  auto out = torch::empty({q.size(0), hq, d}, q.options());
+
+  Geometry g{hq, hkv, hq / hkv, d, (d + 15) / 16 * 16, k_cache.size(1), k_cache.size(0), bt.size(1),
+             q.stride(0), q.stride(1), hkv * d};
+  const auto items = plan_items(cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
+                                lens.size(0), q.size(0), g);
+  for (int64_t i = 0; i < lens.size(0); ++i) {      // rows with no keys to attend to
+    const int32_t* c = cu.data_ptr<int32_t>();
+    if (lens.data_ptr<int32_t>()[i] == 0 && c[i + 1] > c[i]) out.narrow(0, c[i], c[i + 1] - c[i]).zero_();
+  }
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    Inputs<T> in{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
+                 cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
+                 static_cast<float>(scale)};
+    run_all(in, items, g);
+  };
+  if (q.scalar_type() == torch::kFloat) {
+    run(float{});
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    run(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "Fused paged attention over a paged KV cache (decode and chunked prefill)");
+}

@@ -1,0 +1,185 @@
+"""CppAttention (kernels/cpu_attention.py, the fused C++ kernel) against a dense causal attention
+computed in fp32 per sequence: decodes, prefill chunks over a cached prefix, full prefills, mixed
+batches; GQA groups 1/3/4, block sizes 16 and 1, head_dim 64/16/24, shuffled block pools, fp32 and
+bf16. Every cache slot the batch does not own holds NaN, so a read of one shows in the output."""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from kernels import cpu_attention
+from kernels.interface import AttentionMetadata
+
+
+@pytest.fixture(scope="module")
+def backend():
+    if not cpu_attention.cpp_attention_available():
+        pytest.skip(f"the C++ kernel is unavailable: {cpu_attention._EXTENSION_CACHE.get('error')}")
+    return cpu_attention.CppAttention()
+
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+def make_batch(specs, hq, hkv, d, bs, dtype, seed, extra_blocks=3):
+    """specs [(q_len, ctx)] -> (q, k_cache, v_cache, meta, keys, values); the blocks of all
+    sequences sit in random order in a NaN-filled pool, and the tables are padded with -1."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [math.ceil(ctx / bs) for _, ctx in specs]
+    total = sum(nblocks) + extra_blocks
+    pool = torch.randperm(total, generator=g).tolist()
+    tables, p = [], 0
+    for n in nblocks:
+        tables.append(pool[p:p + n])
+        p += n
+    width = max(nblocks, default=0) + 1
+    k_cache = torch.full((total, bs, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    keys = [torch.randn(ctx, hkv, d, generator=g).to(dtype) for _, ctx in specs]
+    values = [torch.randn(ctx, hkv, d, generator=g).to(dtype) for _, ctx in specs]
+    for t, k, v in zip(tables, keys, values):
+        pos = torch.arange(k.shape[0])
+        slots = torch.tensor(t, dtype=torch.long)[pos // bs] * bs + pos % bs
+        k_cache.view(-1, hkv, d)[slots] = k
+        v_cache.view(-1, hkv, d)[slots] = v
+    qlens, klens = [ql for ql, _ in specs], [ctx for _, ctx in specs]
+    cu = [0]
+    for ql in qlens:
+        cu.append(cu[-1] + ql)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        seqlens_k=torch.tensor(klens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width),
+        slot_mapping=torch.empty(0, dtype=torch.int64),
+        max_seqlen_q=max(qlens, default=0), max_seqlen_k=max(klens, default=0),
+        seqlens_q_list=qlens, seqlens_k_list=klens)
+    q = torch.randn(cu[-1], hq, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta, keys, values
+
+
+def dense_reference(q, keys, values, specs, scale):
+    """fp32 causal attention per sequence; query j of a (q_len, ctx) sequence sees keys
+    0..ctx - q_len + j. GQA by repeating each kv head for its group of query heads."""
+    out, start = [], 0
+    hq = q.shape[1]
+    for (ql, ctx), k, v in zip(specs, keys, values):
+        group = hq // k.shape[1]
+        qi = q[start:start + ql].float()
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        visible = torch.arange(ctx)[None, :] <= (ctx - ql + torch.arange(ql))[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+        start += ql
+    return torch.cat(out) if out else q.float()
+
+
+BATCHES = {
+    "decode": [(1, n) for n in (1, 5, 16, 17, 33, 100, 257, 64)],
+    "chunk_over_prefix": [(7, 40), (16, 100), (33, 97), (2, 18)],
+    "full_prefill": [(1, 1), (5, 5), (37, 37), (64, 64)],
+    "mixed": [(1, 50), (20, 20), (1, 3), (13, 77), (1, 200), (40, 41)],
+}
+HEADS = [(4, 4), (9, 3), (8, 2)]     # GQA groups 1, 3, 4
+
+
+def check(backend, specs, hq, hkv, d, bs, dtype, seed=None):
+    seed = zlib.crc32(repr((specs, hq, hkv, d, bs, str(dtype))).encode()) if seed is None else seed
+    q, kc, vc, meta, keys, values = make_batch(specs, hq, hkv, d, bs, dtype, seed)
+    scale = d ** -0.5
+    got = backend.attention(q, kc, vc, meta, scale)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    want = dense_reference(q, keys, values, specs, scale)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 16])
+@pytest.mark.parametrize("bs", [16, 1])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_against_dense(backend, batch, heads, bs, d, dtype):
+    check(backend, BATCHES[batch], *heads, d, bs, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_dim_not_a_multiple_of_16(backend, dtype):
+    check(backend, BATCHES["mixed"], 6, 2, 24, 16, dtype)
+
+
+@pytest.mark.parametrize("bs", [16, 5])
+def test_parallel_matches_serial(backend, bs):
+    """A batch big enough for the threaded path; the result must not depend on the thread count."""
+    specs = [(1, 30 + 37 * i) for i in range(24)] + [(96, 300), (128, 128)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, bs, torch.float32, seed=bs)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = backend.attention(q, kc, vc, meta, 0.125)
+        torch.set_num_threads(2)
+        parallel = backend.attention(q, kc, vc, meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, parallel)
+    torch.testing.assert_close(parallel, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
+
+
+def test_noncontiguous_query_and_dtype_cast(backend):
+    """q as a strided view (a slice of a fused qkv projection), in fp32 against a bf16 cache."""
+    specs = [(1, 20), (9, 30)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.bfloat16, seed=7)
+    qkv = torch.randn(q.shape[0], 15, 64)
+    qkv[:, :9] = q.float()
+    view = qkv[:, :9]
+    assert not view.is_contiguous()
+    got = backend.attention(view, kc, vc, meta, 0.125)
+    assert got.dtype == torch.float32
+    want = backend.attention(q, kc, vc, meta, 0.125).float()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_empty_sequences_and_empty_batch(backend):
+    specs = [(0, 12), (3, 10), (0, 0)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 4, 2, 16, 4, torch.float32, seed=3)
+    got = backend.attention(q, kc, vc, meta, 0.25)
+    want = dense_reference(q[0:3], keys[1:2], values[1:2], specs[1:2], 0.25)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    q0, kc0, vc0, meta0, _, _ = make_batch([], 4, 2, 16, 4, torch.float32, seed=3)
+    assert backend.attention(q0, kc0, vc0, meta0, 0.25).shape == (0, 4, 16)
+
+
+def test_rejects_bad_metadata(backend):
+    q, kc, vc, meta, _, _ = make_batch([(1, 20)], 4, 2, 16, 16, torch.float32, seed=1)
+    meta.block_tables[0, 1] = kc.shape[0]        # out of the pool
+    with pytest.raises(RuntimeError, match="out of range"):
+        backend.attention(q, kc, vc, meta, 0.25)
+    meta.block_tables[0, 1] = -1                 # the context needs this block
+    with pytest.raises(RuntimeError, match="out of range"):
+        backend.attention(q, kc, vc, meta, 0.25)
+
+
+def test_write_kv_then_attention(backend):
+    """write_kv (TorchAttention's) fills the slots attention reads; slot -1 is skipped."""
+    kc = torch.zeros(4, 16, 2, 16)
+    vc = torch.zeros_like(kc)
+    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    backend.write_kv(key, value, kc, vc, torch.tensor([33, -1, 34]))
+    assert torch.equal(kc.view(-1, 2, 16)[33], key[0]) and torch.equal(vc.view(-1, 2, 16)[34], value[2])
+    assert kc.view(-1, 2, 16)[35].abs().sum() == 0
+
+
+def test_registry_and_custom_op(backend):
+    from engine_worker.compiled_forward import paged_attention
+    from kernels.interface import get_attention_backend
+
+    assert get_attention_backend("cpu").name == "cpu"
+    assert get_attention_backend("auto", "cpu").name == "cpu"
+    assert get_attention_backend("torch").name == "torch"
+    specs = [(1, 20), (5, 9)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=5)
+    got = paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, 0.125, "cpu")
+    torch.testing.assert_close(got, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
