@@ -12,7 +12,10 @@ def smollm2_dir():
 
 @pytest.mark.slow
 def test_smollm2_chat_answers_paris(smollm2_dir):
-    llm = LLM(smollm2_dir, dtype="auto", kv_cache_memory="256MiB")
+    """fp32, the dtype the HF-equality tests use. The chat answer's first token is a near tie
+    ('The' vs 'L', 0.1 nats apart in fp32), so this is not asserted in bf16, where rounding may
+    flip it; the next test checks the serving dtype on a prompt with a clear answer."""
+    llm = LLM(smollm2_dir, dtype="float32", kv_cache_memory="256MiB")
     question = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(question, SamplingParams(temperature=0, max_tokens=32))
     assert "Paris" in out.text, out.text
@@ -23,4 +26,13 @@ def test_smollm2_chat_answers_paris(smollm2_dir):
              for m in [question] + others]
     outs = llm.generate([list(ids) for ids in batch], SamplingParams(temperature=0, max_tokens=32))
     assert outs[0].token_ids == out.token_ids
+    llm.engine.check_block_accounting()
+
+
+@pytest.mark.slow
+def test_smollm2_serving_dtype_completes_paris(smollm2_dir):
+    """dtype auto (bf16 on CPUs with native bf16): ' Paris' leads ' the' by about 2.4 nats here."""
+    llm = LLM(smollm2_dir, dtype="auto", kv_cache_memory="256MiB")
+    outs = llm.generate(["The capital of France is"] * 3, SamplingParams(temperature=0, max_tokens=4))
+    assert all(o.text.startswith(" Paris") for o in outs), [o.text for o in outs]
     llm.engine.check_block_accounting()
