@@ -92,7 +92,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
         if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+            seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
         self.scheduler.add(seq)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:

@@ -26,7 +26,7 @@ class Sampler:
         params = [s.params for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         logits = self._apply_penalties(logits, seqs)
-        greedy = torch.tensor([p.greedy for p in params])
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         if bool(greedy.all()):
             tokens = logits.argmax(dim=-1)
         else:
@@ -59,11 +59,11 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor) -> torch.Tensor:
-        params = [s.params for s in seqs]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params]).unsqueeze(1)
+        params, dev = [s.params for s in seqs], logits.device
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev).unsqueeze(1)
         scaled = logits / temps
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
         if bool((top_k < logits.shape[1]).any() or (top_p < 1).any()):
             scaled = _top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1)
@@ -80,7 +80,7 @@ class Sampler:
             return [None] * len(tokens)
         k = max(p.logprobs or 0 for p in params)
         top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)
-        chosen = raw.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
         out = []
         for row, p in enumerate(params):
             if p.logprobs is None:
@@ -94,7 +94,7 @@ class Sampler:
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus with -inf (one sort per batch)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     mask = ranks >= top_k.unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
     # Keep a token if the mass strictly before it is below top_p (the first token always stays).
