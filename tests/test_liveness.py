@@ -94,7 +94,9 @@ def test_long_prompt_beside_8_streams_keeps_everything_live(tmp_path):
     steps are slowed: every stream completes, the long request too, and /ready never fails."""
     model = build_tiny_model(tmp_path / "long", max_position_embeddings=8448)
     server = RedisServer().start()
-    w = WorkerThread(server.url, model, "e-long", engine_kw={"max_num_batched_tokens": 256},
+    # 8 MiB of KV (1,024 blocks of 16 tokens): room for the long prompt and the 8 streams at once,
+    # so a preemption would mean the scheduler misbehaved (4 MiB holds 8,192 tokens: not enough).
+    w = WorkerThread(server.url, model, "e-long", engine_kw={"max_num_batched_tokens": 256, "kv_cache_memory": "8MiB"},
                      heartbeat_interval=0.2, heartbeat_ttl=1.0).start()
     slow_steps(w.engine, 0.05)                      # 32 prefill chunks take > 1.5 s: > heartbeat TTL
     srv = start_gateway(server.url, model, engine_timeout=1.0)
