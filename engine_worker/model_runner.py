@@ -70,8 +70,7 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         self.compiled: CompiledForward | None = None
         if self.device.type == "cpu" and not config.enforce_eager:
-            self.compiled = CompiledForward(self.model, self.kv_caches, self.backend)
-            self.compiled.warm_up()
+            self.compiled = self._compile()
         want_graphs = self.device.type == "cuda" and not config.enforce_eager
         if want_graphs and not self.backend.cuda_graph_safe:
             log.warning("attention backend %s cannot run in CUDA graphs; decode runs eagerly", self.backend.name)
@@ -148,6 +147,19 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+
+    def _compile(self) -> CompiledForward | None:
+        """The compiled CPU forward, or None (eager, with a warning) where Inductor cannot build
+        it: its C++ code generation needs a C++ compiler, which a slim image may lack."""
+        try:
+            compiled = CompiledForward(self.model, self.kv_caches, self.backend)
+            compiled.warm_up()
+            return compiled
+        except Exception as e:      # InductorError (no compiler), a failed build, ...
+            log.warning("torch.compile is unavailable here, running the eager model: %s: %s",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            torch._dynamo.reset()
+            return None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Pack the step's new tokens of every sequence, with positions, slots and block tables.

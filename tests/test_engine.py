@@ -132,6 +132,19 @@ def test_greedy_matches_hf_under_preemption(tiny_model_dir, prompts, expected, f
     assert_all_blocks_released(llm)
 
 
+def test_a_failed_compile_falls_back_to_the_eager_model(tiny_model_dir, prompts, expected, monkeypatch):
+    """Where Inductor cannot compile (no C++ compiler in a slim image) the engine warns and runs
+    eagerly instead of failing to start."""
+    from engine_worker.compiled_forward import CompiledForward
+
+    def no_compiler(self):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+    monkeypatch.setattr(CompiledForward, "warm_up", no_compiler)
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=8 * 2**20)
+    assert llm.engine.runner.compiled is None
+    assert [c.token_ids for c in llm.generate(prompts, greedy())] == expected
+
+
 def test_attention_ops_outside_a_step_match_the_backend():
     """The compiled forward's custom ops, called without a step context, find the backend by
     name and rebuild the metadata from its tensors; pad rows (slot -1) write no KV."""
