@@ -493,10 +493,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
              q.stride(0), q.stride(1), hkv * d};
   const auto items = plan_items(cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
                                 lens.size(0), q.size(0), g);
-  for (int64_t i = 0; i < lens.size(0); ++i) {      // rows with no keys to attend to
-    const int32_t* c = cu.data_ptr<int32_t>();
-    if (lens.data_ptr<int32_t>()[i] == 0 && c[i + 1] > c[i]) out.narrow(0, c[i], c[i + 1] - c[i]).zero_();
-  }
+  const int32_t* c = cu.data_ptr<int32_t>();
+  const int32_t* ctx = lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < lens.size(0); ++i)        // rows with no keys to attend to (plan_items skips them)
+    if (ctx[i] == 0 && c[i + 1] > c[i]) out.narrow(0, c[i], c[i + 1] - c[i]).zero_();
   auto run = [&](auto tag) {
     using T = decltype(tag);
     Inputs<T> in{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
