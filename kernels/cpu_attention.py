@@ -9,12 +9,13 @@ The extension is compiled on first use with torch.utils.cpp_extension (needs a C
 OpenMP, and ninja), once per process, and cached on disk: TORCH_EXTENSIONS_DIR if set, else
 ~/.cache/kaiten/torch_extensions, under the torch version. The build targets the CPU it runs on
 (AVX-512 with bf16, AVX-512, AVX2, else at::vec's portable code; KAITEN_CPU_ISA forces one), and
-the capability is part of the extension's name, so machines that share the cache get builds of
-their own. cpp_attention_available() says whether the kernel can be used;
+the capability and a digest of the source are part of the extension's name, so machines and
+checkouts that share the cache get builds of their own. cpp_attention_available() says whether the kernel can be used;
 get_attention_backend("auto") falls back to the torch backend when it cannot.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -24,7 +25,6 @@ from pathlib import Path
 import torch
 
 from kernels.interface import AttentionMetadata
-from kernels.torch_attention import TorchAttention
 
 __all__ = ["CppAttention", "cpp_attention_available", "load_extension"]
 
@@ -82,6 +82,13 @@ def _build_dir(name: str) -> Path:
     return path
 
 
+def _source_digest(cflags: list[str]) -> str:
+    """A digest of the kernel source and its flags, part of the extension's name: checkouts with
+    different kernels (another branch, an older release) then never load each other's build from
+    the shared cache."""
+    return hashlib.sha1(_SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+
+
 def _put_venv_ninja_on_path() -> None:
     """cpp_extension runs `ninja` from PATH; the pip package's binary sits next to the venv's
     python, which is not on PATH when the venv is not activated."""
@@ -106,7 +113,7 @@ def load_extension():
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed (pip install ninja, or apt-get install ninja-build)")
         cap, cflags = cpu_capability()
-        name = f"kaiten_paged_attention_{cap}"
+        name = f"kaiten_paged_attention_{cap}_{_source_digest(cflags)}"
         build_dir = _build_dir(name)
         if not any(build_dir.glob(f"{name}*.so")):
             log.info("building the CPU attention kernel (%s) in %s ...", cap, build_dir)
@@ -145,11 +152,13 @@ class CppAttention:
 
     def __init__(self) -> None:
         self._ext = load_extension()
-        self._write = TorchAttention()
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        self._write.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        if key.shape[0] == 0:
+            return
+        self._ext.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
+                           slot_mapping.to(torch.int64))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -162,14 +162,21 @@ def test_rejects_bad_metadata(backend):
         backend.attention(q, kc, vc, meta, 0.25)
 
 
-def test_write_kv_then_attention(backend):
-    """write_kv (TorchAttention's) fills the slots attention reads; slot -1 is skipped."""
-    kc = torch.zeros(4, 16, 2, 16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv(backend, dtype):
+    """The kernel's write_kv puts each token's rows at its slot and skips slot -1; key and value may
+    be strided views of one qkv row, as the model's split gives them."""
+    kc = torch.zeros(4, 16, 2, 16, dtype=dtype)
     vc = torch.zeros_like(kc)
-    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    qkv = torch.randn(3, 5 * 32, dtype=dtype)
+    key, value = qkv[:, 96:128].view(3, 2, 16), qkv[:, 128:].view(3, 2, 16)
     backend.write_kv(key, value, kc, vc, torch.tensor([33, -1, 34]))
-    assert torch.equal(kc.view(-1, 2, 16)[33], key[0]) and torch.equal(vc.view(-1, 2, 16)[34], value[2])
-    assert kc.view(-1, 2, 16)[35].abs().sum() == 0
+    flat_k, flat_v = kc.view(-1, 2, 16), vc.view(-1, 2, 16)
+    assert torch.equal(flat_k[33], key[0]) and torch.equal(flat_k[34], key[2])
+    assert torch.equal(flat_v[33], value[0]) and torch.equal(flat_v[34], value[2])
+    assert flat_k[35].abs().sum() == 0 and int((flat_v != 0).any(-1).any(-1).sum()) == 2
+    with pytest.raises(RuntimeError, match="past the cache"):
+        backend.write_kv(key, value, kc, vc, torch.tensor([0, 1, 64]))
 
 
 def test_registry_and_custom_op(backend):

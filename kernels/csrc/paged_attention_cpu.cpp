@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -514,7 +515,42 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out;
 }
 
+// key/value [T, Hkv, D] (any token stride, rows contiguous) into k_cache/v_cache [num_blocks,
+// block_size, Hkv, D] at slot_mapping int64 [T]; a slot of -1 (a padding token) is skipped. Plain
+// row copies on the calling thread: a step writes a few hundred rows of a few hundred bytes, and
+// the torch path (a mask, a host sync on it, two index_copy_) costs more than the copies.
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [T, Hkv, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "the caches must be contiguous [N, bs, Hkv, D] of one shape");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
+              "key heads/head_dim do not match the cache");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "key, value and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
+              slot_mapping.size(0) == key.size(0), "slot_mapping must be int64 [T]");
+  for (auto* t : {&key, &value})
+    if (t->stride(2) != 1 || t->stride(1) != t->size(2)) *t = t->contiguous();
+  const auto slots = slot_mapping.contiguous();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < key.size(0); ++t)
+    TORCH_CHECK(s[t] < num_slots, "slot ", s[t], " is past the cache's ", num_slots, " slots");
+  auto copy = [&](const torch::Tensor& src, torch::Tensor& dst) {
+    const char* from = static_cast<const char*>(src.data_ptr());
+    char* to = static_cast<char*>(dst.data_ptr());
+    const int64_t stride = src.stride(0) * src.element_size();
+    for (int64_t t = 0; t < src.size(0); ++t)
+      if (s[t] >= 0) std::memcpy(to + s[t] * row_bytes, from + t * stride, row_bytes);
+  };
+  copy(key, k_cache);
+  copy(value, v_cache);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Fused paged attention over a paged KV cache (decode and chunked prefill)");
+  m.def("write_kv", &write_kv, "New key/value rows into the paged cache at their slots (-1: skipped)");
 }
