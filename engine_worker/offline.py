@@ -25,7 +25,7 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str = "", **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model).with_overrides(**engine_args))
+        self.engine = LLMEngine(EngineConfig(model=model, offline=True).with_overrides(**engine_args))
         self._tokenizer = None
         self._ids = itertools.count()
 

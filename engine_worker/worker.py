@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
     parser.add_argument("--healthcheck", action="store_true",
                         help="exit 0 if this engine's heartbeat is in Redis (for container healthchecks)")
-    _add_dataclass_flags(parser.add_argument_group("engine"), EngineConfig, {"model"})
+    _add_dataclass_flags(parser.add_argument_group("engine"), EngineConfig, {"model", "offline"})
     _add_dataclass_flags(parser.add_argument_group("worker"), WorkerConfig, {"redis_url", "engine_id"})
     return parser
 

@@ -8,6 +8,7 @@ import torch
 
 from engine_worker import LLM, SamplingParams
 from engine_worker.llama import PackedLinear
+from tests.engine_support import engine_config
 
 MAX_TOKENS = 24
 
@@ -120,6 +121,17 @@ def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dir, prompts, expecte
     assert run_staggered(llm, prompts, greedy()) == expected
     assert llm.engine.step_count > max(len(p) for p in prompts) // budget
     assert_all_blocks_released(llm)
+
+
+def test_offline_llm_batches_more_tokens_per_step_than_a_server(tiny_model_dir):
+    """The offline LLM defaults to OFFLINE_TOKEN_BUDGET (throughput); an engine built for a server
+    keeps the CPU's latency budget; an explicit budget wins over both."""
+    from engine_worker.llm_engine import LLMEngine
+    from shared.config import CPU_TOKEN_BUDGET, OFFLINE_TOKEN_BUDGET
+    assert LLM(str(tiny_model_dir), enforce_eager=True).engine.config.max_num_batched_tokens == OFFLINE_TOKEN_BUDGET
+    assert LLMEngine(engine_config(tiny_model_dir)).config.max_num_batched_tokens == CPU_TOKEN_BUDGET
+    llm = LLM(str(tiny_model_dir), enforce_eager=True, max_num_batched_tokens=64)
+    assert llm.engine.config.max_num_batched_tokens == 64
 
 
 def test_greedy_matches_hf_under_preemption(tiny_model_dir, prompts, expected, forward):
