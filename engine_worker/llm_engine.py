@@ -18,6 +18,7 @@ from engine_worker.sampler import Sampler
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler import ScheduledBatch, Scheduler
 from engine_worker.sequence import Sequence
+from engine_worker.structured_output import StructuredOutput
 from shared.config import EngineConfig
 from shared.protocol import TokenLogprob
 
@@ -73,6 +74,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
+        self.structured = StructuredOutput(config.model, self.vocab_size, self.eos_token_ids)
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
         log.info("engine ready: model=%s dtype=%s blocks=%d x %d tokens, backend=%s", self.model_name,
@@ -88,12 +90,15 @@ class LLMEngine:
         invalid input."""
         params.validate()
         self._validate_prompt(prompt_token_ids, params)
-        if self.scheduler.find(request_id) is not None:
+        if self.scheduler.find(request_id) is not None or self.structured.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
         if params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
-        self.scheduler.add(seq)
+        if params.structured_output is not None:
+            self.structured.submit(seq)       # to the scheduler once its grammar is compiled
+        else:
+            self.scheduler.add(seq)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -114,10 +119,14 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Free the request's blocks now; its abort output comes with the next step."""
-        seq = self.scheduler.find(request_id)
-        if seq is None:
-            return False
-        self.scheduler.finish(seq, "abort")
+        seq = self.structured.drop(request_id)
+        if seq is not None:
+            seq.finish_reason = "abort"
+        else:
+            seq = self.scheduler.find(request_id)
+            if seq is None:
+                return False
+            self.scheduler.finish(seq, "abort")
         self._pending_outputs.append(self._output(seq, [], None))
         return True
 
@@ -126,21 +135,33 @@ class LLMEngine:
         s = self.scheduler
         if sum(q.num_tokens for q in s.waiting) > self.block_manager.num_free_blocks * self.block_manager.block_size:
             return 0
-        return max(0, s.max_num_seqs - len(s.running) - len(s.waiting))
+        return max(0, s.max_num_seqs - len(s.running) - len(s.waiting) - len(self.structured.pending))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
+        return self.scheduler.has_unfinished() or bool(self._pending_outputs) or bool(self.structured.pending)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample; returns every request's news since the
         last step (aborts included)."""
+        self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
         if batch.seqs:
             outputs.extend(self._run(batch))
         self.step_count += 1
         return outputs
+
+    def _admit_compiled(self) -> None:
+        """Constrained requests whose grammar is compiled go to the scheduler; failed ones end."""
+        if not self.scheduler.has_unfinished() and not self._pending_outputs:
+            self.structured.wait(0.005)        # nothing else to run: do not spin
+        ready, failed = self.structured.take_ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for seq, error in failed:
+            seq.finish_reason = "error"
+            self._pending_outputs.append(self._output(seq, [], None, error))
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         # Sample only for sequences whose whole context is computed after this step.
@@ -153,17 +174,20 @@ class LLMEngine:
         if not rows:
             return []
         seqs = [batch.seqs[i] for i in rows]
+        self.structured.apply_bitmasks(logits, seqs)
         sampled = self.sampler(logits, seqs)
+        grammar_states = self.structured.accept(seqs, sampled.token_ids)
         outputs = []
         now = time.time()
-        for seq, token, logprob in zip(seqs, sampled.token_ids, sampled.logprobs):
+        for seq, token, logprob, state in zip(seqs, sampled.token_ids, sampled.logprobs, grammar_states):
             seq.token_ids.append(token)
             if not seq.first_token_time:
                 seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
+            error = state if state not in (None, "terminated") else None
+            reason = "error" if error else "stop" if state == "terminated" else self._stop_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [token], [logprob] if logprob else None))
+            outputs.append(self._output(seq, [token], [logprob] if logprob else None, error))
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -175,14 +199,14 @@ class LLMEngine:
         return None
 
     @staticmethod
-    def _output(seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
-        return RequestOutput(seq.request_id, tokens, logprobs, seq.finish_reason, None, seq.num_prompt_tokens,
+    def _output(seq: Sequence, tokens: list[int], logprobs, error: str | None = None) -> RequestOutput:
+        return RequestOutput(seq.request_id, tokens, logprobs, seq.finish_reason, error, seq.num_prompt_tokens,
                              seq.num_cached_tokens, seq.num_output_tokens, seq.metrics())
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(self.structured.pending),
             num_waiting_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
             kv_cache_usage=bm.usage, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks, max_num_seqs=s.max_num_seqs,

@@ -19,6 +19,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # in [-2, 2]
     repetition_penalty: float = 1.0   # > 0; 1 is off (HF/vLLM: prompt and output tokens' logits)
     logprobs: int | None = None       # None: none; N: the sampled token's logprob plus the top N
+    structured_output: dict | None = None   # {"kind", "value"}: see engine_worker/structured_output.py
 
     def validate(self) -> None:
         """Raise ValueError with a clear message for any out-of-range value."""
@@ -43,6 +44,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers")
+        if self.structured_output is not None:
+            from engine_worker.structured_output import validate_spec
+            validate_spec(self.structured_output)
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    grammar: Any = None                  # xgrammar.GrammarMatcher of a structured-output request
     # Engine-clock event times (time.time()); other processes' clocks are not comparable.
     queued_time: float = field(default_factory=time.time)
     scheduled_time: float = 0.0

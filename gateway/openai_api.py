@@ -6,12 +6,15 @@ unknown fields, the prompt and max_tokens against the context length. The engine
 """
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .errors import APIError, bad_request
+from .structured import structured_spec
+from .tools import ToolCalling, parse_tools
 
 MAX_LOGPROBS = 20             # engine_worker.sampling_params.MAX_LOGPROBS
 MAX_STOP_STRINGS = 16
@@ -24,13 +27,14 @@ COMPLETION_FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
     "stop", "stop_token_ids", "seed", "logprobs", "echo", "presence_penalty", "frequency_penalty",
     "ignore_eos", "user", "suffix", "best_of", "logit_bias", "repetition_penalty", "extra_body",
+    "response_format", "structured_outputs",
 })
 CHAT_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
     "stream", "stream_options", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
     "presence_penalty", "frequency_penalty", "ignore_eos", "user", "logit_bias", "response_format",
     "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier", "repetition_penalty",
-    "extra_body",
+    "extra_body", "structured_outputs",
 })
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
@@ -38,7 +42,8 @@ MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_
 
 class Tokenizer(Protocol):
     async def encode(self, text: str) -> list[int]: ...
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -66,6 +71,7 @@ class ParsedRequest:
     logprobs: int | None                       # engine top-N; None: no logprobs
     echo: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    tools: ToolCalling | None = None           # chat with tools: how the output becomes tool_calls
 
     @property
     def num_choices(self) -> int:
@@ -333,6 +339,7 @@ async def parse_completion(body: Any, ctx: ModelContext) -> ParsedRequest:
         prompts.append(ids)
     params["max_tokens"] = _max_tokens(max_tokens, "max_tokens", [len(p) for p in prompts], ctx, 16)
     params["logprobs"] = logprobs
+    _set_structured(params, structured_spec(body))
     return ParsedRequest("completion", model, prompts, texts, n, params, seeds, stop, stream, include_usage,
                          logprobs, echo=echo)
 
@@ -367,8 +374,6 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
-        if m.get("tool_calls"):
-            raise bad_request("tool calls are not supported", f"{where}.tool_calls", "unsupported_parameter")
         content = m.get("content")
         if isinstance(content, list):
             parts = []
@@ -386,8 +391,41 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise bad_request(f"{where}.name must be a string", f"{where}.name", "invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _message_tool_calls(m["tool_calls"], role, where)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad_request(f"{where}.tool_call_id (a string) is required for a tool message",
+                                  f"{where}.tool_call_id", "missing_required_parameter")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
+
+
+def _message_tool_calls(calls: Any, role: str, where: str) -> list[dict]:
+    """An assistant message's earlier tool calls, for the chat template: arguments as objects (as
+    templates expect them)."""
+    if role != "assistant" or not isinstance(calls, list):
+        raise bad_request(f"{where}.tool_calls must be a list, on an assistant message", f"{where}.tool_calls")
+    out = []
+    for i, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise bad_request(f"{where}.tool_calls[{i}] must be {{'id', 'type': 'function', 'function': "
+                              "{'name', 'arguments' (JSON text)}}", f"{where}.tool_calls", "invalid_type")
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            raise bad_request(f"{where}.tool_calls[{i}].function.arguments is not valid JSON",
+                              f"{where}.tool_calls") from None
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _set_structured(params: dict[str, Any], spec: dict | None) -> None:
+    if spec is not None:
+        params["structured_output"] = spec
 
 
 async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = None,
@@ -403,18 +441,13 @@ async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = N
     messages = normalize_messages(body["messages"])
     n = _int(body, "n", 1, 1, ctx.max_n)
     _unsupported(body)
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or tools):
-        raise bad_request("tools are not supported", "tools", "unsupported_parameter")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise bad_request("'tool_choice' is not supported", "tool_choice", "unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format",
-                          "unsupported_parameter")
-    for flag in ("parallel_tool_calls", "store"):
-        _bool(body, flag, False)
+    tools = parse_tools(body)
+    spec = structured_spec(body)
+    forced = tools.spec() if tools is not None else None
+    if forced is not None and spec is not None:
+        raise bad_request("a 'required' or named tool_choice cannot be combined with a response_format or "
+                          "structured_outputs", "tool_choice")
+    _bool(body, "store", False)
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise bad_request("'metadata' must be an object", "metadata", "invalid_type")
     if body.get("service_tier") is not None and not isinstance(body["service_tier"], str):
@@ -437,7 +470,8 @@ async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = N
     stop = _stop(body)
     seeds = _seeds(body, n, ctx.max_n)
     try:
-        ids = list(await ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        template_kw = {"tools": tools.tools} if tools is not None else {}
+        ids = list(await ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kw))
     except ValueError as e:
         raise bad_request(f"invalid messages: {e}", "messages") from None
     except Exception as e:
@@ -446,5 +480,6 @@ async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = N
     params["max_tokens"] = _max_tokens(max_tokens, "max_tokens" if mct is None else "max_completion_tokens",
                                        [len(ids)], ctx, None)
     params["logprobs"] = logprobs
+    _set_structured(params, forced or spec)
     return ParsedRequest("chat", model, [ids], [None], n, params, seeds, stop, stream, include_usage, logprobs,
-                         extra={"messages": messages})
+                         extra={"messages": messages}, tools=tools)

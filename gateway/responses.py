@@ -11,6 +11,7 @@ from .errors import APIError, GenerationError
 from .generation import SubGeneration
 from .output import Logprob, Piece
 from .openai_api import ParsedRequest
+from .tools import ToolStream, extract
 
 log = logging.getLogger("kaiten.gateway")
 
@@ -194,6 +195,8 @@ def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
              created: int) -> AsyncIterator[bytes]:
     chunk = _chunker(parsed, rid, created, "chat.completion.chunk")
     want_lp = parsed.logprobs is not None
+    calling = parsed.tools if parsed.tools is not None and parsed.tools.parses_output else None
+    tool_streams = {g.sub.index: ToolStream(calling) for g in gens} if calling else {}
 
     async def frames() -> AsyncIterator[bytes]:
         for g in gens:
@@ -201,11 +204,20 @@ def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
                           "logprobs": None, "finish_reason": None}])
         async for g, p in merged(gens):
             lp = chat_logprobs(p.logprobs, parsed.logprobs or 0) if want_lp and p.logprobs else None
-            if p.text or lp is not None:
-                yield chunk([{"index": p.index, "delta": {"content": p.text}, "logprobs": lp,
+            ts = tool_streams.get(p.index)
+            deltas = ts.feed(p.text) if ts and p.text else [{"content": p.text}] if p.text else []
+            if lp is not None and not deltas:
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):
+                yield chunk([{"index": p.index, "delta": delta, "logprobs": lp if i == 0 else None,
                               "finish_reason": None}])
             if p.finish_reason is not None:
-                yield chunk([{"index": p.index, "delta": {}, "logprobs": None, "finish_reason": p.finish_reason}])
+                finish = p.finish_reason
+                if ts is not None:
+                    for delta in ts.finish():
+                        yield chunk([{"index": p.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                    finish = "tool_calls" if ts.num_calls and finish == "stop" else finish
+                yield chunk([{"index": p.index, "delta": {}, "logprobs": None, "finish_reason": finish}])
 
     return _stream(gw, parsed, gens, rid, chunk, frames())
 
@@ -218,11 +230,20 @@ def chat_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: 
         lp = None
         if parsed.logprobs is not None:
             lp = chat_logprobs([x for p in ps for x in (p.logprobs or [])], parsed.logprobs)
-        choices.append({"index": g.sub.index,
-                        "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
-                        "logprobs": lp, "finish_reason": g.finish_reason})
+        message, finish = _chat_message(parsed, "".join(p.text for p in ps), g.finish_reason)
+        choices.append({"index": g.sub.index, "message": message, "logprobs": lp, "finish_reason": finish})
     return {"id": rid, "object": "chat.completion", "created": created, "model": parsed.model,
             "choices": choices, "usage": usage(parsed, gens)}
+
+
+def _chat_message(parsed: ParsedRequest, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice, its tool calls parsed out, and its finish reason."""
+    if parsed.tools is None or not parsed.tools.parses_output or finish != "stop":
+        return {"role": "assistant", "content": text}, finish
+    content, calls = extract(parsed.tools, text)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 async def collect(gens: list[SubGeneration]) -> dict[int, list[Piece]]:

@@ -140,6 +140,28 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400),
     ("chat unknown model", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404),
     ("chat unknown message field", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "x": 1}]}, 400),
+    ("response_format unknown type", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400),
+    ("json_schema without schema", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400),
+    ("json_schema schema not an object", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, 400),
+    ("structured_outputs two kinds", "/v1/completions",
+     {"prompt": "hi", "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400),
+    ("structured_outputs empty choice", "/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": []}}, 400),
+    ("structured_outputs unknown kind", "/v1/completions", {"prompt": "hi", "structured_outputs": {"xml": "a"}}, 400),
+    ("response_format and structured_outputs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400),
+    ("tool_choice without tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400),
+    ("tool_choice names an unknown function", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400),
+    ("tool parameters not an object", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, 400),
+    ("tool message without tool_call_id", "/v1/chat/completions",
+     {"messages": [{"role": "tool", "content": "42"}]}, 400),
+    ("assistant tool_calls arguments not JSON", "/v1/chat/completions",
+     {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]}, 400),
 ]
 
 

@@ -39,12 +39,13 @@ class AsyncTokenizer(abc.ABC):
     @abc.abstractmethod
     async def encode(self, text: str) -> list[int]: ...
 
-    @abc.abstractmethod
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]:
+        return (await self.chat_prompt(messages, add_generation_prompt, tools))[1]
 
     @abc.abstractmethod
-    async def chat_prompt(self, messages: list[dict],
-                          add_generation_prompt: bool = True) -> tuple[str, list[int]]: ...
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> tuple[str, list[int]]: ...
 
     @abc.abstractmethod
     async def decode(self, ids: list[int]) -> str: ...
@@ -92,14 +93,12 @@ class LocalAsyncTokenizer(AsyncTokenizer):
             return await asyncio.to_thread(self.tokenizer.encode, text)
         return self.tokenizer.encode(text)
 
-    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
         msgs = validate_messages(messages)
-        if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.tokenizer.chat_prompt, msgs, add_generation_prompt)
+        if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS or tools:
+            return await asyncio.to_thread(self.tokenizer.chat_prompt, msgs, add_generation_prompt, tools)
         return self.tokenizer.chat_prompt(msgs, add_generation_prompt)
-
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return (await self.chat_prompt(messages, add_generation_prompt))[1]
 
     async def decode(self, ids: list[int]) -> str:
         if len(ids) > OFFLOAD_IDS:
@@ -206,17 +205,17 @@ class RemoteAsyncTokenizer(AsyncTokenizer):
         await self._ready()
         return list((await self._request("POST", "/tokenize", {"text": text}))["token_ids"])
 
-    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
         msgs = validate_messages(messages)
         if not isinstance(add_generation_prompt, bool):
             raise ValueError("add_generation_prompt must be a boolean")
         await self._ready()
-        data = await self._request("POST", "/chat/template",
-                                   {"messages": msgs, "add_generation_prompt": add_generation_prompt})
+        body = {"messages": msgs, "add_generation_prompt": add_generation_prompt}
+        if tools:
+            body["tools"] = tools
+        data = await self._request("POST", "/chat/template", body)
         return data["prompt"], list(data["token_ids"])
-
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return (await self.chat_prompt(messages, add_generation_prompt))[1]
 
     async def decode(self, ids: list[int]) -> str:
         await self._ready()

@@ -12,7 +12,7 @@ Endpoints (JSON in, JSON out; errors in the OpenAI shape {"error": {"message", "
                              "special_token_ids"}
     POST /tokenize          {"text"} -> {"token_ids"}
     POST /detokenize        {"token_ids"} -> {"text"}                                 (whole sequence)
-    POST /chat/template     {"messages"[, "add_generation_prompt" (default true)]} -> {"prompt", "token_ids"}
+    POST /chat/template     {"messages"[, "add_generation_prompt" (default true), "tools"]} -> {"prompt", "token_ids"}
 """
 from __future__ import annotations
 
@@ -128,13 +128,14 @@ def create_app(tokenizer: ChatTokenizer, model_name: str | None = None) -> Starl
         if "messages" not in data:
             raise BadRequest("'messages' is required", param="messages", code="missing_field")
         agp = _field(data, "add_generation_prompt", bool, "a boolean", default=True)
+        tools = _field(data, "tools", list, "a list of tool objects", default=None)
         try:
             msgs = validate_messages(data["messages"])
         except ValueError as e:
             raise BadRequest(str(e), param="messages") from None
         try:
-            if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS:
-                prompt, ids = await run_in_threadpool(tok.chat_prompt, msgs, agp)
+            if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS or tools:
+                prompt, ids = await run_in_threadpool(tok.chat_prompt, msgs, agp, tools)
             else:
                 prompt, ids = tok.chat_prompt(msgs, agp)
         except ValueError as e:

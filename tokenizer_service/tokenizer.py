@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 from tokenizers.decoders import DecodeStream
 
+from .tool_prompt import hermes_messages, template_handles_tools
+
 REPLACEMENT_CHAR = "\ufffd"
 ROLES = ("system", "user", "assistant", "tool")
 # Prompt tokens kept as decoding context for the first generated tokens.
@@ -127,31 +129,43 @@ class ChatTokenizer:
         except (OverflowError, TypeError) as e:
             raise ValueError(f"cannot decode token ids: {e}") from None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text the chat template gives for `messages`."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The prompt text the chat template gives for `messages` (and `tools`: OpenAI tool objects)."""
         msgs = validate_messages(messages)
         if not isinstance(add_generation_prompt, bool):
             raise ValueError("add_generation_prompt must be a boolean")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError("tools must be a list of objects")
+        uses_tools = bool(tools) or any(m.get("tool_calls") for m in msgs)
+        template_kw = {}
+        if uses_tools and template_handles_tools(getattr(self.hf, "chat_template", None)):
+            template_kw = {"tools": tools} if tools else {}
+        elif uses_tools:
+            msgs = hermes_messages(msgs, tools)
         try:
             from jinja2 import TemplateError
         except ImportError:   # jinja2 comes with transformers' chat templates
             TemplateError = Exception  # type: ignore[misc,assignment]
         try:
-            text = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **template_kw)
         except TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from None
         if not isinstance(text, str):   # defensive: some versions wrap single results in a list
             text = text[0]
         return text
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """(prompt text, prompt token ids) for `messages`."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return text, self.encode(text)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         """Prompt token ids for `messages` (the template's text, encoded without added specials)."""
-        return self.chat_prompt(messages, add_generation_prompt)[1]
+        return self.chat_prompt(messages, add_generation_prompt, tools)[1]
 
     def detokenizer(self, prompt_ids: Sequence[int] | None = None) -> "Detokenizer":
         return Detokenizer(self, self._prompt_context(prompt_ids) if prompt_ids else [])
