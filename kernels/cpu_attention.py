@@ -15,6 +15,8 @@ get_attention_backend("auto") falls back to the torch backend when it cannot.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -89,6 +91,20 @@ def _source_digest(cflags: list[str]) -> str:
     return hashlib.sha1(_SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One builder per build directory, through a lock the kernel drops when its holder dies.
+    cpp_extension's own lock is a plain file that a build killed midway leaves behind, and every
+    later load would wait on it for ever; holding this lock, such a file can only be stale."""
+    with open(build_dir / ".kaiten-build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def _put_venv_ninja_on_path() -> None:
     """cpp_extension runs `ninja` from PATH; the pip package's binary sits next to the venv's
     python, which is not on PATH when the venv is not activated."""
@@ -117,10 +133,11 @@ def load_extension():
         build_dir = _build_dir(name)
         if not any(build_dir.glob(f"{name}*.so")):
             log.info("building the CPU attention kernel (%s) in %s ...", cap, build_dir)
-        # -fopenmp: at::parallel_for is inline OpenMP code; the extension joins torch's libgomp
-        module = cpp_extension.load(name=name, sources=[str(_SOURCE)],
-                                    extra_cflags=["-O3", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"],
-                                    build_directory=str(build_dir), verbose=False)
+        with _build_lock(build_dir):
+            # -fopenmp: at::parallel_for is inline OpenMP code; the extension joins torch's libgomp
+            module = cpp_extension.load(name=name, sources=[str(_SOURCE)],
+                                        extra_cflags=["-O3", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"],
+                                        build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
         _EXTENSION_CACHE["error"] = f"{type(e).__name__}: {e}"
         raise

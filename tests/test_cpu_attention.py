@@ -190,3 +190,24 @@ def test_registry_and_custom_op(backend):
     q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=5)
     got = paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, 0.125, "cpu")
     torch.testing.assert_close(got, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(backend, tmp_path):
+    """cpp_extension waits for ever on the plain lock file a killed build leaves behind; the loader
+    removes it under its own lock, which dies with its holder."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    built = Path(cpu_attention.load_extension().__file__).parent
+    copy = tmp_path / built.parent.name / built.name
+    shutil.copytree(built, copy)
+    (copy / "lock").write_text("")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", "from kernels import cpu_attention; cpu_attention.load_extension()"],
+                          env=env, capture_output=True, text=True, timeout=240,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (copy / "lock").exists()
