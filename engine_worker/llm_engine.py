@@ -36,6 +36,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: int | None = None        # the stop token id that finished it (not EOS)
 
     @property
     def finished(self) -> bool:
@@ -72,7 +73,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
         log.info("engine ready: model=%s dtype=%s blocks=%d x %d tokens, backend=%s", self.model_name,
@@ -101,6 +102,11 @@ class LLMEngine:
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        named = list(params.stop_token_ids) + [int(t) for t, _ in params.logit_bias]
+        bad = next((t for t in named if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} in stop_token_ids or logit_bias is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
                              "and at least one must remain for the output")
@@ -167,9 +173,15 @@ class LLMEngine:
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """The finish reason after `token` (vLLM's order: EOS, then stop token ids, then length);
+        a stop token id is kept as the sequence's stop_reason. Nothing stops before min_tokens."""
         p = seq.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            return "stop"
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -177,7 +189,7 @@ class LLMEngine:
     @staticmethod
     def _output(seq: Sequence, tokens: list[int], logprobs) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, logprobs, seq.finish_reason, None, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.num_output_tokens, seq.metrics())
+                             seq.num_cached_tokens, seq.num_output_tokens, seq.metrics(), seq.stop_reason)
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager

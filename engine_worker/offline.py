@@ -18,6 +18,7 @@ class Completion:
     logprobs: list = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: int | None = None
     error: str | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
@@ -77,7 +78,7 @@ def _accumulate(c: Completion, out: RequestOutput) -> None:
     if out.new_logprobs:
         c.logprobs.extend(out.new_logprobs)
     if out.finished:
-        c.finish_reason, c.error = out.finish_reason, out.error
+        c.finish_reason, c.error, c.stop_reason = out.finish_reason, out.error, out.stop_reason
         c.num_cached_tokens, c.metrics = out.num_cached_tokens, out.metrics
 
 

@@ -29,6 +29,7 @@ class Sequence:
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
     finish_reason: str | None = None
+    stop_reason: int | None = None       # the stop token id that finished it (EOS and length: None)
     generator: torch.Generator | None = None
     # Engine-clock event times (time.time()); other processes' clocks are not comparable.
     queued_time: float = field(default_factory=time.time)

@@ -60,6 +60,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    stop_reason: int | None = None      # the stop token id that ended it ("stop" by EOS: None)
     # Filled on the terminal delta: usage and the engine's own event times (engine clock).
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
