@@ -80,6 +80,16 @@ def usage(parsed: ParsedRequest, gens: list[SubGeneration]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _token_bytes(token: str) -> list[int]:
+    """A logprob token's bytes: those a "bytes:\\xNN..." name spells out, else its UTF-8."""
+    if token.startswith("bytes:\\x"):
+        try:
+            return list(bytes.fromhex(token[6:].replace("\\x", "")))
+        except ValueError:
+            pass
+    return list(token.encode("utf-8"))
+
+
 # ---------------------------------------------------------------------- logprobs shapes
 class CompletionLogprobs:
     """Completions API: {tokens, token_logprobs, top_logprobs, text_offset}."""
@@ -94,6 +104,8 @@ class CompletionLogprobs:
             out["tokens"].append(s)
             out["token_logprobs"].append(_lp(lp.logprob))
             if self.top_n > 0:
+                # A dict keyed by token text (the API's shape): where two tokens share a text
+                # (say, a special token and its plain spelling) the likelier one's entry is kept.
                 top: dict[str, float] = {}
                 for t, v in lp.top[: self.top_n]:
                     top.setdefault(t, _lp(v))
@@ -109,20 +121,22 @@ def chat_logprobs(lps: list[Logprob] | None, top_n: int) -> dict[str, Any]:
     content = []
     for lp in lps or []:
         content.append({
-            "token": lp.token, "logprob": _lp(lp.logprob), "bytes": list(lp.token.encode("utf-8")),
-            "top_logprobs": [{"token": t, "logprob": _lp(v), "bytes": list(t.encode("utf-8"))}
+            "token": lp.token, "logprob": _lp(lp.logprob), "bytes": _token_bytes(lp.token),
+            "top_logprobs": [{"token": t, "logprob": _lp(v), "bytes": _token_bytes(t)}
                              for t, v in lp.top[:top_n]],
         })
     return {"content": content, "refusal": None}
 
 
 # ---------------------------------------------------------------------- streams
-def _chunker(parsed: ParsedRequest, rid: str, created: int, obj: str) -> Callable[..., bytes]:
-    """The SSE frame of one streamed chunk (`obj`: its "object" field)."""
+def _chunker(parsed: ParsedRequest, gens: list[SubGeneration], rid: str, created: int,
+             obj: str) -> Callable[..., bytes]:
+    """The SSE frame of one streamed chunk (`obj`: its "object" field). With continuous_usage_stats
+    every chunk carries the usage so far."""
     def chunk(choices: list, **extra) -> bytes:
         d = {"id": rid, "object": obj, "created": created, "model": parsed.model, "choices": choices}
         if parsed.include_usage:
-            d["usage"] = None
+            d["usage"] = usage(parsed, gens) if parsed.continuous_usage and choices else None
         d.update(extra)
         return sse(d)
     return chunk
@@ -155,19 +169,21 @@ async def _stream(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str
 # ---------------------------------------------------------------------- completions
 def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
                    created: int) -> AsyncIterator[bytes]:
-    chunk = _chunker(parsed, rid, created, "text_completion")
+    chunk = _chunker(parsed, gens, rid, created, "text_completion")
     lp_builders = {g.sub.index: CompletionLogprobs(parsed.logprobs or 0) for g in gens}
 
     async def frames() -> AsyncIterator[bytes]:
         if parsed.echo:
             for g in gens:
                 text = g.sub.prompt_text if g.sub.prompt_text is not None else await gw.tokenizer.decode(g.sub.prompt_ids)
-                yield chunk([{"index": g.sub.index, "text": text, "logprobs": None, "finish_reason": None}])
+                yield chunk([{"index": g.sub.index, "text": text, "logprobs": None, "finish_reason": None,
+                              "stop_reason": None}])
         async for g, p in merged(gens):
             if not p.text and p.finish_reason is None and not p.logprobs:
                 continue
             lp = lp_builders[p.index].build(p.logprobs) if parsed.logprobs is not None else None
-            yield chunk([{"index": p.index, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason}])
+            yield chunk([{"index": p.index, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason,
+                          "stop_reason": g.stop_reason if p.finish_reason else None}])
 
     return _stream(gw, parsed, gens, rid, chunk, frames())
 
@@ -184,7 +200,7 @@ def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pi
             lps = [x for p in ps for x in (p.logprobs or [])]
             lp = CompletionLogprobs(parsed.logprobs, len(prefix)).build(lps)
         choices.append({"index": g.sub.index, "text": prefix + text, "logprobs": lp,
-                        "finish_reason": g.finish_reason})
+                        "finish_reason": g.finish_reason, "stop_reason": g.stop_reason})
     return {"id": rid, "object": "text_completion", "created": created, "model": parsed.model,
             "choices": choices, "usage": usage(parsed, gens)}
 
@@ -192,7 +208,7 @@ def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pi
 # ---------------------------------------------------------------------- chat
 def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
              created: int) -> AsyncIterator[bytes]:
-    chunk = _chunker(parsed, rid, created, "chat.completion.chunk")
+    chunk = _chunker(parsed, gens, rid, created, "chat.completion.chunk")
     want_lp = parsed.logprobs is not None
 
     async def frames() -> AsyncIterator[bytes]:
@@ -205,7 +221,8 @@ def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
                 yield chunk([{"index": p.index, "delta": {"content": p.text}, "logprobs": lp,
                               "finish_reason": None}])
             if p.finish_reason is not None:
-                yield chunk([{"index": p.index, "delta": {}, "logprobs": None, "finish_reason": p.finish_reason}])
+                yield chunk([{"index": p.index, "delta": {}, "logprobs": None, "finish_reason": p.finish_reason,
+                              "stop_reason": g.stop_reason}])
 
     return _stream(gw, parsed, gens, rid, chunk, frames())
 
@@ -220,7 +237,7 @@ def chat_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: 
             lp = chat_logprobs([x for p in ps for x in (p.logprobs or [])], parsed.logprobs)
         choices.append({"index": g.sub.index,
                         "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
-                        "logprobs": lp, "finish_reason": g.finish_reason})
+                        "logprobs": lp, "finish_reason": g.finish_reason, "stop_reason": g.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": parsed.model,
             "choices": choices, "usage": usage(parsed, gens)}
 
