@@ -199,8 +199,11 @@ class OutputProcessor:
                 if d.finish_reason in ("error", "abort"):
                     self._fail(s, _engine_error(d, s))
                     continue
+            ids = d.token_ids
+            if d.finish_reason == "stop" and ids and not s.options.include_stop_str_in_output:
+                ids = ids[:-1]                # the EOS or stop token id: not text (vLLM's rule)
             try:
-                text = s.detokenizer.add(d.token_ids) if d.token_ids else ""
+                text = s.detokenizer.add(ids) if ids else ""
                 if d.finish_reason is not None:
                     text += s.detokenizer.finish()
             except ValueError as e:

@@ -10,6 +10,8 @@ Every message is a map with ``v`` (protocol version) and ``t`` (type). Types:
   A delta carries a per-request sequence number ``seq`` (0, 1, 2, ...). The last delta of a
   request has ``finish_reason`` set; ``finish_reason == "error"`` comes with ``error`` text.
   So "finish" and "error" are terminal deltas, numbered like any other, and a gap is visible.
+  ``finish_reason == "stop"`` means the request's last token is an EOS or one of its stop token ids
+  (``stop_reason`` names the latter); gateways do not show that token as text.
 """
 from __future__ import annotations
 
