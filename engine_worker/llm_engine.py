@@ -37,6 +37,7 @@ class RequestOutput:
     num_output_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: int | None = None        # the stop token id that finished it (not EOS)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # with the first token, if asked
 
     @property
     def finished(self) -> bool:
@@ -152,7 +153,10 @@ class LLMEngine:
         # Sample only for sequences whose whole context is computed after this step.
         rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
-        logits = self.runner.run(batch, rows)
+        spans, targets = self._prompt_logprob_spans(batch)
+        logits, prompt_logits = self.runner.run(batch, rows, [(r, first, len(t)) for r, first, t in spans])
+        if prompt_logits is not None:
+            self._collect_prompt_logprobs(batch, spans, prompt_logits, targets)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -169,8 +173,42 @@ class LLMEngine:
             reason = self._stop_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [token], [logprob] if logprob else None))
+            out = self._output(seq, [token], [logprob] if logprob else None)
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                out.prompt_logprobs = [None] + seq.prompt_logprobs
+            outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _prompt_logprob_spans(batch: ScheduledBatch) -> tuple[list[tuple[int, int, list[int]]], list[int]]:
+        """For each sequence that still needs prompt logprobs: (batch row, first new token whose
+        logits predict a prompt token not scored yet, the prompt tokens they predict); and all
+        those target tokens in order."""
+        spans, targets = [], []
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if not seq.needs_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens
+            first = len(seq.prompt_logprobs)          # position whose logits predict the next unscored token
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            if first < start or first >= end:
+                continue
+            wanted = seq.token_ids[first + 1:end + 1]
+            spans.append((row, first - start, wanted))
+            targets += wanted
+        return spans, targets
+
+    def _collect_prompt_logprobs(self, batch: ScheduledBatch, spans, logits: torch.Tensor, targets: list[int]) -> None:
+        k = max(batch.seqs[r].params.prompt_logprobs for r, _, _ in spans)
+        scored = self.sampler.score(logits, targets, k)
+        i = 0
+        for row, _, wanted in spans:
+            seq = batch.seqs[row]
+            n = seq.params.prompt_logprobs
+            for lp in scored[i:i + len(wanted)]:
+                lp.top = lp.top[:n]
+                seq.prompt_logprobs.append(lp)
+            i += len(wanted)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """The finish reason after `token` (vLLM's order: EOS, then stop token ids, then length);

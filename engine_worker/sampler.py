@@ -108,6 +108,21 @@ class Sampler:
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     @staticmethod
+    def score(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+        """Prompt logprobs: row i's log-probability of targets[i], its rank, and the top k."""
+        lp = torch.log_softmax(logits, dim=-1)
+        ids = torch.tensor(targets, device=lp.device).unsqueeze(1)
+        chosen = lp.gather(1, ids)
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        chosen = chosen.squeeze(1).tolist()
+        if k:
+            top_vals, top_ids = (x.tolist() for x in lp.topk(k, dim=-1))
+        else:
+            top_vals = top_ids = [[] for _ in targets]
+        return [TokenLogprob(t, c, list(zip(ti, tv)), r)
+                for t, c, r, ti, tv in zip(targets, chosen, ranks, top_ids, top_vals)]
+
+    @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: list[int], params) -> list[TokenLogprob | None]:
         if raw is None:
             return [None] * len(tokens)

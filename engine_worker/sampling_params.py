@@ -21,6 +21,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # in [-2, 2]
     repetition_penalty: float = 1.0   # > 0; 1 is off (HF/vLLM: prompt and output tokens' logits)
     logprobs: int | None = None       # None: none; N: the sampled token's logprob plus the top N
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob (and rank) plus the top N
     # [token id, bias] pairs (a list: msgpack maps take string keys only), added to the logits.
     logit_bias: list[list[float]] = field(default_factory=list)
 
@@ -51,6 +52,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        pl = self.prompt_logprobs
+        if pl is not None and (not isinstance(pl, int) or isinstance(pl, bool) or not 0 <= pl <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {pl!r}")
         if not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers")
 

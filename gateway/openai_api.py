@@ -32,7 +32,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # vLLM's fields that Kaiten does not implement, with their "off" value: anything else is a 400.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
-    "truncate_prompt_tokens": None, "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
+    "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
     "guided_whitespace_pattern": None, "structured_outputs": None, "logits_processors": None, "priority": 0,
     "prompt_embeds": None, "documents": None, "mm_processor_kwargs": None, "kv_transfer_params": None,
@@ -42,7 +42,7 @@ SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
     "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
     "min_tokens", "logit_bias", "user", "skip_special_tokens", "spaces_between_special_tokens",
-    "include_stop_str_in_output", "return_tokens_as_token_ids", "extra_body",
+    "include_stop_str_in_output", "return_tokens_as_token_ids", "prompt_logprobs", "extra_body",
 }) | frozenset(UNSUPPORTED_FIELDS)
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = SAMPLING_FIELDS | {
@@ -88,6 +88,8 @@ class ParsedRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     output: OutputOptions = field(default_factory=OutputOptions)
     continuous_usage: bool = False             # stream_options.continuous_usage_stats (with include_usage)
+    prompt_logprobs: int | None = None         # vLLM's prompt_logprobs: top-N per prompt token
+    echo_only: bool = False                    # echo with max_tokens 0: the prompt (and its logprobs) only
 
     @property
     def num_choices(self) -> int:
@@ -363,9 +365,8 @@ async def parse_completion(body: Any, ctx: ModelContext) -> ParsedRequest:
     echo = bool_field(body, "echo", False)
     stream, include_usage, continuous = _stream(body)
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    if echo and logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported", "echo", "unsupported_parameter")
-    max_tokens = _int(body, "max_tokens", None, 1, None)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    max_tokens = _int(body, "max_tokens", None, 0 if echo else 1, None)   # 0: score the prompt only
     params = _common(body, ctx)
     stop = _stop(body)
     seeds = _seeds(body, n, ctx.max_n)
@@ -398,11 +399,29 @@ async def parse_completion(body: Any, ctx: ModelContext) -> ParsedRequest:
             texts.append(None)
         _check_ids(ids, ctx, "prompt")
         prompts.append(ids)
-    params["max_tokens"] = _max_tokens(max_tokens, "max_tokens", [len(p) for p in prompts], ctx, 16)
+    echo_only = echo and max_tokens == 0
+    # The engine makes one token that nobody sees when only the prompt is wanted (as vLLM does).
+    params["max_tokens"] = _max_tokens(1 if echo_only else max_tokens, "max_tokens", [len(p) for p in prompts],
+                                       ctx, 16)
     _min_tokens(params, body)
     params["logprobs"] = logprobs
+    params["prompt_logprobs"] = _engine_prompt_logprobs(prompt_logprobs, logprobs if echo else None)
     return ParsedRequest("completion", model, prompts, texts, n, params, seeds, stop, stream, include_usage,
-                         logprobs, echo=echo, output=_output_options(body), continuous_usage=continuous)
+                         logprobs, echo=echo, output=_output_options(body), continuous_usage=continuous,
+                         prompt_logprobs=prompt_logprobs, echo_only=echo_only)
+
+
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    v = _int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if v is not None and stream:
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
+    return v
+
+
+def _engine_prompt_logprobs(*wanted: int | None) -> int | None:
+    """The top-N the engine scores the prompt with: the most any use of them asks for."""
+    asked = [w for w in wanted if w is not None]
+    return max(asked) if asked else None
 
 
 async def _encode(ctx: ModelContext, text: str) -> list[int]:
@@ -521,8 +540,11 @@ async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = N
                                        [len(ids)], ctx, None)
     _min_tokens(params, body)
     params["logprobs"] = logprobs
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    params["prompt_logprobs"] = prompt_logprobs
     return ParsedRequest("chat", model, [ids], [None], n, params, seeds, stop, stream, include_usage, logprobs,
-                         extra={"messages": messages}, output=_output_options(body), continuous_usage=continuous)
+                         extra={"messages": messages}, output=_output_options(body), continuous_usage=continuous,
+                         prompt_logprobs=prompt_logprobs)
 
 
 def template_options(body: dict, ctx: ModelContext, messages: list[dict]) -> tuple[bool, ChatTemplateOptions]:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shared.protocol import Delta
+from shared.protocol import Delta, TokenLogprob
 
 from .errors import GenerationError
 
@@ -145,6 +145,10 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None      # "stop" | "length", once finished
     stop_reason: str | int | None = None  # the stop string or stop token id that finished it
+    # Prompt logprobs as the engine sent them (first token: None) and the text of every token
+    # they name (the prompt's own included).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_strings: dict[int, str] = field(default_factory=dict)
     num_cached_tokens: int = 0
     engine_finished: bool = False         # the engine sent its terminal delta
     abort_sent: bool = False
@@ -184,6 +188,9 @@ class OutputProcessor:
                 continue
             if s.first_delta is None:
                 s.first_delta = now
+            if d.prompt_logprobs is not None:
+                s.prompt_logprobs = d.prompt_logprobs
+                s.prompt_strings = {t: strings.get(t, "") for t in _prompt_token_ids(d, s)}
             if d.token_ids:
                 if s.first_token_at is None:
                     s.first_token_at = now
@@ -264,12 +271,14 @@ class OutputProcessor:
         ids: dict[int, None] = {}
         for d in deltas:
             s = streams.get(d.request_id) if isinstance(d.request_id, str) else None
-            if s is None or not s.want_logprobs or not d.logprobs:
+            if s is None or not (s.want_logprobs and d.logprobs or d.prompt_logprobs):
                 continue
-            for lp in d.logprobs:
+            for lp in d.logprobs if s.want_logprobs and d.logprobs else ():
                 ids[lp.token_id] = None
                 for t, _ in lp.top:
                     ids[t] = None
+            for t in _prompt_token_ids(d, s):
+                ids[t] = None
         if not ids:
             return {}
         keys = list(ids)
@@ -277,6 +286,17 @@ class OutputProcessor:
             return dict(zip(keys, self.tokenizer.token_strings(keys)))
         except ValueError:                    # a logprob's token text is best effort
             return {}
+
+
+def _prompt_token_ids(d: Delta, s: RequestState) -> list[int]:
+    """The tokens a delta's prompt logprobs name: the prompt's and their top alternatives."""
+    if not d.prompt_logprobs:
+        return []
+    ids = list(s.prompt_ids)
+    for lp in d.prompt_logprobs:
+        if lp is not None:
+            ids += [t for t, _ in lp.top]
+    return ids
 
 
 def _token_name(strings: dict[int, str], as_ids: bool) -> Callable[[int], str]:

@@ -74,7 +74,7 @@ async def merged(gens: list[SubGeneration]) -> AsyncIterator[tuple[SubGeneration
 
 def usage(parsed: ParsedRequest, gens: list[SubGeneration]) -> dict[str, Any]:
     prompt = sum(len(p) for p in parsed.prompts)
-    completion = sum(g.completion_tokens for g in gens)
+    completion = 0 if parsed.echo_only else sum(g.completion_tokens for g in gens)
     cached = sum(g.num_cached_tokens for g in gens if g.sub.index % parsed.n == 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -97,6 +97,28 @@ class CompletionLogprobs:
     def __init__(self, top_n: int, offset: int = 0):
         self.top_n, self.offset = top_n, offset
 
+    def build_prompt(self, g: SubGeneration) -> dict[str, Any]:
+        """The echoed prompt's entries: its first token has no logprob (None, as in vLLM)."""
+        s = g.state
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp in zip(g.sub.prompt_ids, s.prompt_logprobs or [None] * len(g.sub.prompt_ids)):
+            text = s.prompt_strings.get(tid, "")
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if lp is None else _lp(lp.logprob))
+            top = None
+            if lp is not None and self.top_n > 0:
+                top = {}
+                for t, v in lp.top[: self.top_n]:
+                    top.setdefault(s.prompt_strings.get(t, ""), _lp(v))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    @staticmethod
+    def join(a: dict[str, list], b: dict[str, list]) -> dict[str, list]:
+        return {k: a[k] + b[k] for k in a}
+
     def build(self, lps: list[Logprob] | None) -> dict[str, Any]:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in lps or []:
@@ -115,6 +137,25 @@ class CompletionLogprobs:
             out["text_offset"].append(self.offset)
             self.offset += len(s)
         return out
+
+
+def prompt_logprobs_field(g: SubGeneration, top_n: int | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}, the prompt token itself first, then the top `top_n`."""
+    s = g.state
+    if top_n is None or s.prompt_logprobs is None:
+        return None
+    out: list = []
+    for lp in s.prompt_logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": s.prompt_strings.get(lp.token_id, "")}}
+        for rank, (t, v) in enumerate(lp.top[:top_n], start=1):
+            entry.setdefault(str(t), {"logprob": _lp(v), "rank": rank, "decoded_token": s.prompt_strings.get(t, "")})
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(lps: list[Logprob] | None, top_n: int) -> dict[str, Any]:
@@ -172,13 +213,30 @@ def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: st
     chunk = _chunker(parsed, gens, rid, created, "text_completion")
     lp_builders = {g.sub.index: CompletionLogprobs(parsed.logprobs or 0) for g in gens}
 
+    # With logprobs the echoed prompt waits for its logprobs, which come with the first token.
+    echo_waits = parsed.echo and parsed.logprobs is not None
+
+    async def echo_chunk(g: SubGeneration) -> bytes:
+        text = g.sub.prompt_text if g.sub.prompt_text is not None else await gw.tokenizer.decode(g.sub.prompt_ids)
+        lp = lp_builders[g.sub.index].build_prompt(g) if parsed.logprobs is not None else None
+        return chunk([{"index": g.sub.index, "text": text, "logprobs": lp, "finish_reason": None,
+                       "stop_reason": None}])
+
     async def frames() -> AsyncIterator[bytes]:
-        if parsed.echo:
+        echoed = set()
+        if parsed.echo and not echo_waits:
             for g in gens:
-                text = g.sub.prompt_text if g.sub.prompt_text is not None else await gw.tokenizer.decode(g.sub.prompt_ids)
-                yield chunk([{"index": g.sub.index, "text": text, "logprobs": None, "finish_reason": None,
-                              "stop_reason": None}])
+                echoed.add(g.sub.index)
+                yield await echo_chunk(g)
         async for g, p in merged(gens):
+            if parsed.echo and p.index not in echoed:
+                echoed.add(p.index)
+                yield await echo_chunk(g)
+            if parsed.echo_only:
+                if p.finish_reason is not None:
+                    yield chunk([{"index": p.index, "text": "", "logprobs": None, "finish_reason": "length",
+                                  "stop_reason": None}])
+                continue
             if not p.text and p.finish_reason is None and not p.logprobs:
                 continue
             lp = lp_builders[p.index].build(p.logprobs) if parsed.logprobs is not None else None
@@ -192,15 +250,21 @@ def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pi
                         rid: str, created: int, prompt_texts: dict[int, str]) -> dict[str, Any]:
     choices = []
     for g in sorted(gens, key=lambda g: g.sub.index):
-        ps = pieces.get(g.sub.index, [])
+        ps = [] if parsed.echo_only else pieces.get(g.sub.index, [])
         text = "".join(p.text for p in ps)
         prefix = prompt_texts.get(g.sub.index, "") if parsed.echo else ""
         lp = None
         if parsed.logprobs is not None:
             lps = [x for p in ps for x in (p.logprobs or [])]
-            lp = CompletionLogprobs(parsed.logprobs, len(prefix)).build(lps)
-        choices.append({"index": g.sub.index, "text": prefix + text, "logprobs": lp,
-                        "finish_reason": g.finish_reason, "stop_reason": g.stop_reason})
+            if parsed.echo:
+                builder = CompletionLogprobs(parsed.logprobs)
+                lp = builder.join(builder.build_prompt(g), builder.build(lps))
+            else:
+                lp = CompletionLogprobs(parsed.logprobs, len(prefix)).build(lps)
+        finish, stop_reason = ("length", None) if parsed.echo_only else (g.finish_reason, g.stop_reason)
+        choices.append({"index": g.sub.index, "text": prefix + text, "logprobs": lp, "finish_reason": finish,
+                        "stop_reason": stop_reason,
+                        "prompt_logprobs": prompt_logprobs_field(g, parsed.prompt_logprobs)})
     return {"id": rid, "object": "text_completion", "created": created, "model": parsed.model,
             "choices": choices, "usage": usage(parsed, gens)}
 
@@ -239,7 +303,8 @@ def chat_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: 
                         "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
                         "logprobs": lp, "finish_reason": g.finish_reason, "stop_reason": g.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": parsed.model,
-            "choices": choices, "usage": usage(parsed, gens)}
+            "choices": choices, "usage": usage(parsed, gens),
+            "prompt_logprobs": prompt_logprobs_field(gens[0], parsed.prompt_logprobs)}
 
 
 async def collect(gens: list[SubGeneration]) -> dict[int, list[Piece]]:

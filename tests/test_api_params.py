@@ -276,3 +276,62 @@ def test_streamed_chat_carries_stop_reason_field(stack):
              and f["choices"][0].get("finish_reason")]
     assert final == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}]
     assert json.dumps(final)
+
+
+# ---------------------------------------------------------------------- prompt scoring (lm-eval style)
+def _prompt_scores(llm, ids, n=1):
+    from engine_worker import SamplingParams
+    return llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=n))[0].prompt_logprobs
+
+
+def test_echo_logprobs_with_max_tokens_zero_scores_the_prompt(stack, llm, tok):
+    text = "Paris is the capital of France."
+    ids = tok.encode(text)
+    want = _prompt_scores(llm, ids)
+    out = _complete(stack, prompt=text, echo=True, logprobs=1, max_tokens=0)
+    c = out.choices[0]
+    assert c.text == text and c.finish_reason == "length" and out.usage.completion_tokens == 0
+    assert out.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([w.logprob for w in want[1:]], abs=1e-4)
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+    # lm-eval's loglikelihood: the sum over the continuation's tokens.
+    total = sum(lp.token_logprobs[-3:])
+    assert total == pytest.approx(sum(w.logprob for w in want[-3:]), abs=1e-3)
+
+
+def test_echo_logprobs_with_generation_streamed_and_not(stack, llm, tok):
+    text = "Hello world"
+    ids = tok.encode(text)
+    gen = _greedy_ids(llm, 3, ids)
+    out = _complete(stack, prompt=text, echo=True, logprobs=0, max_tokens=3)
+    c = out.choices[0]
+    assert c.text == text + tok.decode(gen) and len(c.logprobs.tokens) == len(ids) + 3
+    assert c.logprobs.token_logprobs[0] is None and all(v is not None for v in c.logprobs.token_logprobs[1:])
+    chunks = list(_complete(stack, prompt=text, echo=True, logprobs=0, max_tokens=3, stream=True))
+    assert chunks[0].choices[0].text == text and len(chunks[0].choices[0].logprobs.tokens) == len(ids)
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert sum((len(ch.choices[0].logprobs.tokens) for ch in chunks), 0) == len(ids) + 3
+    only = list(_complete(stack, prompt=text, echo=True, logprobs=0, max_tokens=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in only) == text and only[-1].choices[0].finish_reason == "length"
+
+
+def test_prompt_logprobs_field(stack, llm, tok):
+    ids = tok.encode("The quick brown fox")
+    want = _prompt_scores(llm, ids, 2)
+    out = _complete(stack, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    got = out.choices[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(ids)
+    for i, (entry, w) in enumerate(zip(got[1:], want[1:]), start=1):
+        own = entry[str(ids[i])]
+        assert own["logprob"] == pytest.approx(w.logprob, abs=1e-4) and own["rank"] == w.rank
+        assert own["decoded_token"] == tok.decode([ids[i]])
+        for rank, (t, v) in enumerate(w.top, start=1):
+            assert entry[str(t)]["rank"] in (rank, w.rank)
+    chat = stack["client"].chat.completions.create(model=stack["model"], messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 for e in chat.prompt_logprobs[1:])

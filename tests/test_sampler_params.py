@@ -93,3 +93,24 @@ def test_min_tokens_holds_back_eos(llm):
     out = llm.generate([PROMPT], SamplingParams(**params, min_tokens=3))[0]
     assert len(out.token_ids) == 4 and out.token_ids[3] == eos and eos not in out.token_ids[:3]
     assert out.finish_reason == "stop" and out.stop_reason is None
+
+
+@pytest.mark.parametrize("budget", [0, 5])
+def test_prompt_logprobs_match_hf(tiny_model_dir, budget):
+    """Each prompt token's logprob (and rank, and top 3) equal HF's full forward, also when the
+    prompt is prefilled in chunks (a 5-token budget) and when its prefix is in the cache."""
+    from transformers import AutoModelForCausalLM
+    kw = {"max_num_batched_tokens": budget} if budget else {}
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", **kw)
+    prompt = list(range(40, 77))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))            # fills the prefix cache
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i, lp in enumerate(out.prompt_logprobs[1:], start=1):
+        row = ref[i - 1]
+        assert lp.token_id == prompt[i] and lp.logprob == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+        assert lp.rank == int((row > row[prompt[i]]).sum()) + 1
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
