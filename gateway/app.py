@@ -44,9 +44,10 @@ from .tokenize_api import detokenize, tokenize
 log = logging.getLogger("kaiten.gateway")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-WS_CHAT_FIELDS = frozenset({"model", "messages", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop",
-                            "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids",
-                            "ignore_eos"})
+WS_CHAT_FIELDS = frozenset({"model", "messages", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
+                            "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                            "logit_bias", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                            "include_stop_str_in_output", "chat_template_kwargs"})
 WS_MAX_ACTIVE = 16
 
 
