@@ -35,10 +35,10 @@ from shared.config import GatewayConfig
 
 from .core import Gateway
 from .errors import APIError, bad_request
+from .http_common import authorized, check_auth, gateway_of, read_json, token_from
 from .metrics import CONTENT_TYPE_LATEST
 from .openai_api import parse_chat, parse_completion
 from .responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
-from .http_common import gateway_of, authorized, check_auth, read_json, token_from
 from .tokenize_api import detokenize, tokenize
 
 log = logging.getLogger("kaiten.gateway")

@@ -303,3 +303,13 @@ def test_requests_are_added_without_maxlen(redis_server, tiny_model_dir):
     finally:
         srv.stop()
         eng.stop()
+
+
+def test_stop_checker_include_stop_and_min_tokens():
+    from gateway.output import StopChecker
+    c = StopChecker(["ab"], include_stop=True)
+    assert c.feed("xxab yy", 1) == ("xxab", True) and c.stopped == "ab"
+    c = StopChecker(["ab"], min_tokens=2)
+    assert c.feed("ab", 1) == ("ab", False)            # within min_tokens: no match
+    assert c.feed("a", 2) == ("a", False)
+    assert c.feed("b x ab", 3) == ("b x ", True)     # the "a" of the min_tokens text does not start one
