@@ -2,7 +2,8 @@
 # The GPU check, one command on a machine with a CUDA GPU:
 #   bash bench/gpu_check.sh
 # 1. the Triton / flash-attn kernels and the decode CUDA graphs against their references on the GPU
-#    (pytest -m gpu), 2. bench/decode_step.py (batch 64 against the weight-bytes / bandwidth floor)
+#    (pytest -m gpu), then non-greedy sampling with every sampling parameter (bench/sampling_check.py,
+#    temperature > 0, CUDA graphs on and off), 2. bench/decode_step.py (batch 64 against the weight-bytes / bandwidth floor)
 # and 3. bench/engine_throughput.py (the CPU bench's workload) for each attention backend (torch,
 # triton, flash_attn when installed), CUDA graphs on and off. Writes bench/results/gpu_check.md,
 # naming the GPU, with the raw runs under bench/results/gpu/.
@@ -28,6 +29,11 @@ kernels_rc=0
 $PY -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_triton_attention.py tests/test_cuda_graphs.py \
   2>&1 | tee "$out/kernel_tests.txt" || kernels_rc=$?
 
+echo "== sampling at temperature > 0 on $gpu (every sampling parameter, seeded, mixed batch)"
+sampling_rc=0
+{ $PY bench/sampling_check.py --device cuda && $PY bench/sampling_check.py --device cuda --enforce-eager; } \
+  2>&1 | tee "$out/sampling_check.txt" || sampling_rc=$?
+
 backends="torch triton"
 $PY -c "import flash_attn" 2>/dev/null && backends="$backends flash_attn"
 for b in $backends; do
@@ -47,6 +53,7 @@ done
   echo
   echo "\`bash bench/gpu_check.sh\` on $(date -u +%Y-%m-%d), torch $($PY -c 'import torch; print(torch.__version__)')."
   echo "Kernel and CUDA-graph tests (pytest -m gpu): $(tail -n 1 "$out/kernel_tests.txt")"
+  echo "Sampling at temperature > 0 (bench/sampling_check.py, graphs on and off): $(grep -c '^ok' "$out/sampling_check.txt") ok, $(grep -c '^FAIL' "$out/sampling_check.txt" || true) failed"
   echo
   echo "## Decode step, batch 64 x 512 context, SmolLM2 bf16 (goal on an H100: within 2x of the weight floor)"
   echo
@@ -68,4 +75,5 @@ EOF
   done
 } > bench/results/gpu_check.md
 cat bench/results/gpu_check.md
-exit $kernels_rc
+[ $kernels_rc = 0 ] || exit $kernels_rc
+exit $sampling_rc

@@ -37,6 +37,8 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: int | None = None        # the stop token id that finished it (not EOS)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # with the first token, if asked
 
     @property
     def finished(self) -> bool:
@@ -73,7 +75,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         self.structured = StructuredOutput(config.model, self.vocab_size, self.eos_token_ids)
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
@@ -106,6 +108,11 @@ class LLMEngine:
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        named = list(params.stop_token_ids) + [int(t) for t, _ in params.logit_bias]
+        bad = next((t for t in named if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} in stop_token_ids or logit_bias is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
                              "and at least one must remain for the output")
@@ -167,7 +174,10 @@ class LLMEngine:
         # Sample only for sequences whose whole context is computed after this step.
         rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
-        logits = self.runner.run(batch, rows)
+        spans, targets = self._prompt_logprob_spans(batch)
+        logits, prompt_logits = self.runner.run(batch, rows, [(r, first, len(t)) for r, first, t in spans])
+        if prompt_logits is not None:
+            self._collect_prompt_logprobs(batch, spans, prompt_logits, targets)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -187,13 +197,53 @@ class LLMEngine:
             reason = "error" if error else "stop" if state == "terminated" else self._stop_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [token], [logprob] if logprob else None, error))
+            out = self._output(seq, [token], [logprob] if logprob else None, error)
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                out.prompt_logprobs = [None] + seq.prompt_logprobs
+            outputs.append(out)
         return outputs
 
+    @staticmethod
+    def _prompt_logprob_spans(batch: ScheduledBatch) -> tuple[list[tuple[int, int, list[int]]], list[int]]:
+        """For each sequence that still needs prompt logprobs: (batch row, first new token whose
+        logits predict a prompt token not scored yet, the prompt tokens they predict); and all
+        those target tokens in order."""
+        spans, targets = [], []
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if not seq.needs_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens
+            first = len(seq.prompt_logprobs)          # position whose logits predict the next unscored token
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            if first < start or first >= end:
+                continue
+            wanted = seq.token_ids[first + 1:end + 1]
+            spans.append((row, first - start, wanted))
+            targets += wanted
+        return spans, targets
+
+    def _collect_prompt_logprobs(self, batch: ScheduledBatch, spans, logits: torch.Tensor, targets: list[int]) -> None:
+        k = max(batch.seqs[r].params.prompt_logprobs for r, _, _ in spans)
+        scored = self.sampler.score(logits, targets, k)
+        i = 0
+        for row, _, wanted in spans:
+            seq = batch.seqs[row]
+            n = seq.params.prompt_logprobs
+            for lp in scored[i:i + len(wanted)]:
+                lp.top = lp.top[:n]
+                seq.prompt_logprobs.append(lp)
+            i += len(wanted)
+
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """The finish reason after `token` (vLLM's order: EOS, then stop token ids, then length);
+        a stop token id is kept as the sequence's stop_reason. Nothing stops before min_tokens."""
         p = seq.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            return "stop"
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -201,7 +251,7 @@ class LLMEngine:
     @staticmethod
     def _output(seq: Sequence, tokens: list[int], logprobs, error: str | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, logprobs, seq.finish_reason, error, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.num_output_tokens, seq.metrics())
+                             seq.num_cached_tokens, seq.num_output_tokens, seq.metrics(), seq.stop_reason)
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager

@@ -191,9 +191,12 @@ class ModelRunner:
         return ids, torch.from_numpy(positions).to(dev), meta
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, sample_rows: list[int],
+            prompt_spans: list[tuple[int, int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward pass; returns fp32 logits [len(sample_rows), vocab] for the sequences at
-        `sample_rows` (those whose whole context is computed after this step)."""
+        `sample_rows` (those whose whole context is computed after this step) and, for prompt
+        logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
+        new tokens, count), in order (None when there are none)."""
         ids, pos, meta = self.prepare(batch)
         if self.graphs is not None and meta.is_decode_only and meta.num_seqs <= self.graphs.max_batch:
             hidden = self.graphs.run(ids, pos, meta)
@@ -203,4 +206,9 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
         last = meta.cu_seqlens_q[1:].long() - 1
         rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
-        return self.model.compute_logits(hidden[rows])
+        prompt_logits = None
+        if prompt_spans:
+            starts = np.concatenate([[0], np.cumsum(batch.num_new_tokens)])
+            index = np.concatenate([np.arange(starts[r] + first, starts[r] + first + n) for r, first, n in prompt_spans])
+            prompt_logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
+        return self.model.compute_logits(hidden[rows]), prompt_logits

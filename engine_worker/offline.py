@@ -16,8 +16,10 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: int | None = None
     error: str | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
@@ -76,8 +78,10 @@ def _accumulate(c: Completion, out: RequestOutput) -> None:
     c.token_ids.extend(out.new_token_ids)
     if out.new_logprobs:
         c.logprobs.extend(out.new_logprobs)
+    if out.prompt_logprobs is not None:
+        c.prompt_logprobs = out.prompt_logprobs
     if out.finished:
-        c.finish_reason, c.error = out.finish_reason, out.error
+        c.finish_reason, c.error, c.stop_reason = out.finish_reason, out.error, out.stop_reason
         c.num_cached_tokens, c.metrics = out.num_cached_tokens, out.metrics
 
 

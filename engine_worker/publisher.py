@@ -44,8 +44,10 @@ class Publisher:
         d.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             d.logprobs = (d.logprobs or []) + list(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            d.prompt_logprobs = out.prompt_logprobs
         if out.finish_reason is not None:
-            d.finish_reason, d.error = out.finish_reason, out.error
+            d.finish_reason, d.error, d.stop_reason = out.finish_reason, out.error, out.stop_reason
             d.num_prompt_tokens, d.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
             d.num_output_tokens, d.metrics = out.num_output_tokens, dict(out.metrics) or None
 

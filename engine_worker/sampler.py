@@ -1,4 +1,9 @@
-"""Vectorised sampling over the batch: repetition/presence/frequency penalties, temperature, top-k, top-p, seeds, logprobs.
+"""Vectorised sampling over the batch: logit_bias, min_tokens, repetition/presence/frequency penalties,
+temperature, min-p, top-k, top-p, seeds, logprobs.
+
+The order is vLLM's: logit_bias and min_tokens, then penalties, then temperature, min-p and
+top-k/top-p. Logprobs are those of the model's raw distribution. Every per-request tensor is built
+on the logits' device; a processing stage that no request of the batch uses costs nothing.
 
 A seeded request draws its noise from its own generator, one draw per sampled token, so its tokens
 are the same whatever batch it runs in. Sampling uses the exponential race: argmax(p / E) with
@@ -21,10 +26,15 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self, eos_token_ids: list[int] | tuple[int, ...] = ()):
+        self.eos_token_ids = list(eos_token_ids)     # held back, with stop_token_ids, by min_tokens
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: fp32 [B, V], one row per sequence in `seqs`."""
         params = [s.params for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        logits = self._apply_logit_bias(logits, seqs)
+        logits = self._apply_min_tokens(logits, seqs)
         logits = self._apply_penalties(logits, seqs)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         if bool(greedy.all()):
@@ -33,6 +43,27 @@ class Sampler:
             tokens = self._sample(logits, seqs, greedy)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, params))
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """OpenAI logit_bias: each [token id, bias] pair is added to that token's logit."""
+        if not any(s.params.logit_bias for s in seqs):
+            return logits
+        pairs = [s.params.logit_bias for s in seqs]
+        rows, ids = _flat_tokens([[int(t) for t, _ in ps] for ps in pairs], logits.device)
+        bias = torch.tensor([float(b) for ps in pairs for _, b in ps], dtype=logits.dtype, device=logits.device)
+        return logits.index_put((rows, ids), bias, accumulate=True)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """A sequence with fewer than min_tokens outputs cannot sample EOS or its stop token ids."""
+        held = [self._stop_ids(s.params) if s.num_output_tokens < s.params.min_tokens else [] for s in seqs]
+        if not any(held):
+            return logits
+        rows, ids = _flat_tokens(held, logits.device)
+        return logits.index_put((rows, ids), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+    def _stop_ids(self, p) -> list[int]:
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Repetition penalty (HF/vLLM: tokens in the prompt or output get positive logits divided by
@@ -64,6 +95,8 @@ class Sampler:
         scaled = logits / temps
         top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
+        if any(p.min_p > 0 for p in params):
+            scaled = _min_p(scaled, torch.tensor([p.min_p for p in params], dtype=scaled.dtype, device=dev))
         if bool((top_k < logits.shape[1]).any() or (top_p < 1).any()):
             scaled = _top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1)
@@ -73,6 +106,21 @@ class Sampler:
                 noise[row].exponential_(generator=seq.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def score(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+        """Prompt logprobs: row i's log-probability of targets[i], its rank, and the top k."""
+        lp = torch.log_softmax(logits, dim=-1)
+        ids = torch.tensor(targets, device=lp.device).unsqueeze(1)
+        chosen = lp.gather(1, ids)
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        chosen = chosen.squeeze(1).tolist()
+        if k:
+            top_vals, top_ids = (x.tolist() for x in lp.topk(k, dim=-1))
+        else:
+            top_vals = top_ids = [[] for _ in targets]
+        return [TokenLogprob(t, c, list(zip(ti, tv)), r)
+                for t, c, r, ti, tv in zip(targets, chosen, ranks, top_ids, top_vals)]
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: list[int], params) -> list[TokenLogprob | None]:
@@ -89,6 +137,13 @@ class Sampler:
             top = list(zip(top_ids[row, :p.logprobs].tolist(), top_vals[row, :p.logprobs].tolist())) if p.logprobs else []
             out.append(TokenLogprob(tokens[row], chosen[row], top))
         return out
+
+
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask every token whose probability is below min_p times the row's most likely token's."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
+            cached = [] if seq.needs_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(seq, n, cached):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine_worker.sampling_params import SamplingParams
+from shared.protocol import TokenLogprob
 
 
 class SequenceStatus(Enum):
@@ -30,8 +31,10 @@ class Sequence:
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
     finish_reason: str | None = None
+    stop_reason: int | None = None       # the stop token id that finished it (EOS and length: None)
     generator: torch.Generator | None = None
     grammar: Any = None                  # xgrammar.GrammarMatcher of a structured-output request
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # of prompt tokens 1, 2, ...
     # Engine-clock event times (time.time()); other processes' clocks are not comparable.
     queued_time: float = field(default_factory=time.time)
     scheduled_time: float = 0.0
@@ -49,6 +52,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not all computed yet (the prefix cache cannot serve it)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -2,17 +2,17 @@
 
     kaiten gateway [--host H] [--port P] [--model DIR] [--redis-url URL] [--tokenizer-url URL]
 
-Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), GET /v1/models,
-WebSocket /v1/chat/ws (see .helpers/WS_PROTOCOL.md), GET /v1/status, GET /health (liveness),
-GET /ready (Redis reachable and an engine alive), GET /metrics (Prometheus), and the chat page at
-/ (gateway/static/index.html) with its files under /static.
+Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), GET /v1/models
+(and /v1/models/{id}), POST /tokenize and /detokenize (vLLM's shapes; gateway/tokenize_api.py),
+WebSocket /v1/chat/ws (see .helpers/WS_PROTOCOL.md), GET /v1/status, GET /health and GET|POST
+/ping (liveness), GET /version, GET /ready (Redis reachable and an engine alive), GET /metrics
+(Prometheus), and the chat page at / (gateway/static/index.html) with its files under /static.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -35,72 +35,23 @@ from shared.config import GatewayConfig
 
 from .core import Gateway
 from .errors import APIError, bad_request
+from .http_common import authorized, check_auth, gateway_of, read_json, token_from
 from .metrics import CONTENT_TYPE_LATEST
 from .openai_api import parse_chat, parse_completion
 from .responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
+from .tokenize_api import detokenize, tokenize
 
 log = logging.getLogger("kaiten.gateway")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-WS_CHAT_FIELDS = frozenset({"model", "messages", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop",
-                            "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids",
-                            "ignore_eos"})
+WS_CHAT_FIELDS = frozenset({"model", "messages", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
+                            "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                            "logit_bias", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                            "include_stop_str_in_output", "chat_template_kwargs"})
 WS_MAX_ACTIVE = 16
 
 
 # ---------------------------------------------------------------------- helpers
-def _gw(request: Request | WebSocket) -> Gateway:
-    return request.app.state.gw
-
-
-def _token_from(headers, query=None) -> str:
-    auth = headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    if query is not None:
-        return query.get("api_key", "")
-    return ""
-
-
-def authorized(gw: Gateway, token: str) -> bool:
-    keys = gw.config.api_keys
-    if not keys:
-        return True
-    ok = False
-    given = token.encode()
-    for key in keys:                      # compare with every key: no early exit on a match
-        ok |= hmac.compare_digest(given, key.encode())
-    return ok and bool(token)
-
-
-def check_auth(request: Request) -> None:
-    if not authorized(_gw(request), _token_from(request.headers)):
-        raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        try:
-            if int(cl) > limit:
-                raise APIError(413, f"request body too large (limit {limit} bytes)", code="request_too_large")
-        except ValueError:
-            raise bad_request("invalid Content-Length header", None, "invalid_header") from None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body too large (limit {limit} bytes)", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"invalid JSON in the request body: {e}", None, "invalid_json") from None
-
-
 async def _wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
@@ -136,7 +87,7 @@ async def _generate(request: Request, parse, id_prefix: str, stream, respond) ->
     """The flow both generation endpoints share: auth, JSON body, `parse`, admission, submission,
     then `stream(gw, parsed, gens, rid, created)` as SSE or, unstreamed, the JSON body that
     `await respond(gw, parsed, gens, pieces, rid, created)` builds."""
-    gw = _gw(request)
+    gw = gateway_of(request)
     try:
         check_auth(request)
         body = await read_json(request, gw.config.max_body_bytes)
@@ -174,41 +125,59 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, parse_chat, "chatcmpl", chat_sse, _chat_body)
 
 
+def _model_card(gw: Gateway) -> dict[str, Any]:
+    """The served model. Listed always: a gateway serves one model, also while its engines load
+    or restart (`engines` says how many are up now)."""
+    return {"id": gw.served_model_name, "object": "model", "created": int(gw.started_at), "owned_by": "kaiten",
+            "root": gw.model_dir or gw.served_model_name, "parent": None, "max_model_len": gw.max_model_len(),
+            "engines": len(gw.monitor.live_engines())}
+
+
 async def models(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     try:
         check_auth(request)
     except APIError as e:
         return e.response()
-    live = gw.monitor.live_engines()
-    data = []
-    if live:
-        data.append({"id": gw.served_model_name, "object": "model", "created": int(gw.started_at),
-                     "owned_by": "kaiten", "root": gw.model_dir or gw.served_model_name,
-                     "max_model_len": gw.max_model_len(), "engines": len(live)})
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": [_model_card(gw)]})
 
 
 async def model_detail(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     try:
         check_auth(request)
     except APIError as e:
         return e.response()
     name = request.path_params["model"]
-    if name not in gw.model_names or not gw.monitor.live_engines():
+    if name not in gw.model_names:
         return APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found").response()
-    return JSONResponse({"id": gw.served_model_name, "object": "model", "created": int(gw.started_at),
-                         "owned_by": "kaiten"})
+    return JSONResponse(_model_card(gw))
 
 
 # ---------------------------------------------------------------------- operations
 async def health(request: Request) -> Response:
-    return JSONResponse({"status": "ok", "gateway_id": _gw(request).gateway_id})
+    return JSONResponse({"status": "ok", "gateway_id": gateway_of(request).gateway_id})
+
+
+async def ping(request: Request) -> Response:
+    return Response(status_code=200)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": kaiten_version()})
+
+
+def kaiten_version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+    try:
+        return package_version("kaiten")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
 
 
 async def ready(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     problems = []
     try:
         await asyncio.wait_for(gw.redis.ping(), 2.0)
@@ -224,11 +193,11 @@ async def ready(request: Request) -> Response:
 
 
 async def status(request: Request) -> Response:
-    return JSONResponse(_gw(request).status())
+    return JSONResponse(gateway_of(request).status())
 
 
 async def metrics(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     gw.metrics.update_load(gw.monitor.load())
     return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -243,7 +212,7 @@ async def index(request: Request) -> Response:
 
 # ---------------------------------------------------------------------- WebSocket chat
 async def chat_ws(websocket: WebSocket) -> None:
-    gw = _gw(websocket)
+    gw = gateway_of(websocket)
     await websocket.accept()
     send_lock = asyncio.Lock()
     closed = False
@@ -264,7 +233,7 @@ async def chat_ws(websocket: WebSocket) -> None:
             msg["retry_after"] = max(1, int(round(err.retry_after)))
         await send(msg)
 
-    if not authorized(gw, _token_from(websocket.headers, websocket.query_params)):
+    if not authorized(gw, token_from(websocket.headers, websocket.query_params)):
         await send_error(None, APIError(401, "Invalid or missing API key", code="invalid_api_key"))
         await websocket.close(code=1008)
         return
@@ -398,8 +367,12 @@ def create_app(config: GatewayConfig | None = None, *, gateway_id: str | None = 
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model_detail, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/status", status, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", ping, methods=["GET", "POST"]),
+        Route("/version", version, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         WebSocketRoute("/v1/chat/ws", chat_ws),
@@ -422,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-url", dest="tokenizer_url", default=None,
                    help="tokenizer service URL (env TOKENIZER_URL; empty: tokenize in-process)")
     p.add_argument("--served-model-name", dest="served_model_name", default=None)
+    p.add_argument("--chat-template", dest="chat_template", default=None,
+                   help="a Jinja chat template file (or the template itself) instead of the tokenizer's "
+                        "(env KAITEN_CHAT_TEMPLATE)")
     p.add_argument("--max-queued-requests", dest="max_queued_requests", type=int, default=None)
     p.add_argument("--max-queued-tokens", dest="max_queued_tokens", type=int, default=None)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=None)
@@ -435,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     cfg = GatewayConfig.from_env()
     kw = {k: getattr(args, k) for k in ("host", "port", "model", "redis_url", "tokenizer_url", "served_model_name",
+                                         "chat_template",
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
                                          "engine_timeout", "redis_max_connections")}
     return cfg.with_overrides(**kw)

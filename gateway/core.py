@@ -43,6 +43,18 @@ def resolve_model_dir(model: str) -> str:
     return str(ensure_default_model())
 
 
+def load_chat_template(value: str) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is a template (vLLM's rule)."""
+    if not value:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
 def _model_config(model_dir: str) -> dict[str, Any]:
     try:
         return json.loads((Path(model_dir) / "config.json").read_text())
@@ -76,6 +88,7 @@ class Gateway:
         cfg = _model_config(self.model_dir) if self.model_dir else {}
         self._cfg_max_len = int(cfg.get("max_position_embeddings") or 0) or None
         self._cfg_vocab = int(cfg.get("vocab_size") or 0) or None
+        self.chat_template = load_chat_template(config.chat_template)
         self.metrics = GatewayMetrics(self.served_model_name)
         # Generated tokens are always detokenized here, in-process; prompts go through `tokenizer`
         # (the same tokenizer, or the tokenizer service when config.tokenizer_url is set).
@@ -197,7 +210,8 @@ class Gateway:
 
     def model_context(self) -> ModelContext:
         return ModelContext(names=self.model_names, max_model_len=self.max_model_len(),
-                            vocab_size=self.vocab_size(), max_n=self.config.max_n, tokenizer=self.tokenizer)
+                            vocab_size=self.vocab_size(), max_n=self.config.max_n, tokenizer=self.tokenizer,
+                            chat_template=self.chat_template)
 
     def status(self) -> dict[str, Any]:
         load = self.monitor.load()
@@ -249,9 +263,12 @@ class Gateway:
                 index = pi * parsed.n + j
                 rid = request_id if single else f"{request_id}-{index}"
                 sub = SubRequest(index, rid, ids, parsed.sub_params(j), parsed.stop, parsed.prompt_texts[pi])
-                state = RequestState(rid, index, ids, now_m + timeout, self.text_tokenizer.detokenizer(ids),
-                                     StopChecker(parsed.stop), want_logprobs=parsed.logprobs is not None,
-                                     submitted=now_m)
+                opts = parsed.output
+                state = RequestState(rid, index, ids, now_m + timeout,
+                                     self.text_tokenizer.detokenizer(ids, opts.skip_special_tokens),
+                                     StopChecker(parsed.stop, opts.include_stop_str_in_output,
+                                                 parsed.params.get("min_tokens", 0)),
+                                     want_logprobs=parsed.logprobs is not None, options=opts, submitted=now_m)
                 gens.append(SubGeneration(sub, state))
                 payloads.append(encode(GenerateRequest(rid, self.gateway_id, ids, sub.params, arrival_time=now,
                                                        deadline=now + timeout)))

@@ -38,6 +38,10 @@ class SubGeneration:
         return self.state.finish_reason
 
     @property
+    def stop_reason(self) -> str | int | None:
+        return self.state.stop_reason
+
+    @property
     def num_cached_tokens(self) -> int:
         return self.state.num_cached_tokens
 

@@ -1,41 +1,59 @@
 """OpenAI request validation (completions and chat) and response shapes.
 
 Everything a request can get wrong is checked here, before anything is XADDed: types, ranges,
-unknown fields, the prompt and max_tokens against the context length. The engine's
-``SamplingParams`` travel as a plain dict (no engine import: the gateway runs without torch).
+the prompt and max_tokens against the context length. As in vLLM, a field nobody knows is ignored
+with one warning naming it; a known field Kaiten does not implement is a 400 unless it has its
+"off" value. The engine's ``SamplingParams`` travel as a plain dict (no engine import: the gateway
+runs without torch).
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tokenizer_service.tokenizer import RESERVED_TEMPLATE_KWARGS, ChatTemplateOptions
+
 from .errors import APIError, bad_request
+from .output import OutputOptions
 from .structured import structured_spec
 from .tools import ToolCalling, parse_tools
+
+log = logging.getLogger("kaiten.gateway")
 
 MAX_LOGPROBS = 20             # engine_worker.sampling_params.MAX_LOGPROBS
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 1024
 MAX_PROMPTS = 64              # completions: a batch of prompts in one request
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
-COMPLETION_FIELDS = frozenset({
-    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
-    "stop", "stop_token_ids", "seed", "logprobs", "echo", "presence_penalty", "frequency_penalty",
-    "ignore_eos", "user", "suffix", "best_of", "logit_bias", "repetition_penalty", "extra_body",
+# vLLM's fields that Kaiten does not implement, with their "off" value: anything else is a 400.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None, "logits_processors": None, "priority": 0,
+    "prompt_embeds": None, "documents": None, "mm_processor_kwargs": None, "kv_transfer_params": None,
+    "vllm_xargs": None, "add_special_tokens": False,
+}
+SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
+    "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+    "min_tokens", "logit_bias", "user", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "return_tokens_as_token_ids", "prompt_logprobs", "extra_body",
     "response_format", "structured_outputs",
-})
-CHAT_FIELDS = frozenset({
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
-    "stream", "stream_options", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
-    "presence_penalty", "frequency_penalty", "ignore_eos", "user", "logit_bias", "response_format",
-    "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier", "repetition_penalty",
-    "extra_body", "structured_outputs",
-})
+}) | frozenset(UNSUPPORTED_FIELDS)
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "store", "metadata", "service_tier", "chat_template", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message",
+}
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
 
@@ -43,7 +61,7 @@ MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_
 class Tokenizer(Protocol):
     async def encode(self, text: str) -> list[int]: ...
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                                  tools: list[dict] | None = None) -> list[int]: ...
+                                  options: ChatTemplateOptions | None = None) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -54,6 +72,7 @@ class ModelContext:
     vocab_size: int
     max_n: int
     tokenizer: Any
+    chat_template: str | None = None          # the gateway's --chat-template (None: the tokenizer's)
 
 
 @dataclass(slots=True)
@@ -72,6 +91,10 @@ class ParsedRequest:
     echo: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     tools: ToolCalling | None = None           # chat with tools: how the output becomes tool_calls
+    output: OutputOptions = field(default_factory=OutputOptions)
+    continuous_usage: bool = False             # stream_options.continuous_usage_stats (with include_usage)
+    prompt_logprobs: int | None = None         # vLLM's prompt_logprobs: top-N per prompt token
+    echo_only: bool = False                    # echo with max_tokens 0: the prompt (and its logprobs) only
 
     @property
     def num_choices(self) -> int:
@@ -115,7 +138,7 @@ def _num(body: dict, name: str, default: float, lo: float, hi: float, lo_open: b
     return float(v)
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def bool_field(body: dict, name: str, default: bool) -> bool:
     v = body.get(name)
     if v is None:
         return default
@@ -140,14 +163,19 @@ def _flatten(body: dict, allowed: frozenset[str]) -> dict:
     return merged
 
 
-def _check_unknown(body: dict, allowed: frozenset[str]) -> None:
+def _check_fields(body: dict, allowed: frozenset[str]) -> None:
+    """Unknown fields: one warning naming them (vLLM's way). Known but unsupported ones: a 400
+    unless off."""
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise bad_request(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0],
-                          "unknown_parameter")
+        log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+    for name, off in UNSUPPORTED_FIELDS.items():
+        v = body.get(name)
+        if name in allowed and v is not None and v != off and v not in ([], {}):
+            raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
 
 
-def _model(body: dict, ctx: ModelContext) -> str:
+def check_model(body: dict, ctx: ModelContext) -> str:
     model = body.get("model")
     if model is None:
         return ctx.names[0]
@@ -187,10 +215,11 @@ def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
     return v
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
-    stream = _bool(body, "stream", False)
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
+    stream = bool_field(body, "stream", False)
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
@@ -199,9 +228,9 @@ def _stream(body: dict) -> tuple[bool, bool]:
         unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
         if unknown:
             raise bad_request(f"unknown stream_options: {sorted(unknown)}", "stream_options", "unknown_parameter")
-        include_usage = _bool(opts, "include_usage", False)
-        _bool(opts, "continuous_usage_stats", False)
-    return stream, include_usage
+        include_usage = bool_field(opts, "include_usage", False)
+        continuous = bool_field(opts, "continuous_usage_stats", False) and include_usage
+    return stream, include_usage, continuous
 
 
 def _seeds(body: dict, n: int, max_n: int) -> list[int | None]:
@@ -219,13 +248,50 @@ def _seeds(body: dict, n: int, max_n: int) -> list[int | None]:
     return seeds
 
 
-def _unsupported(body: dict) -> None:
-    lb = body.get("logit_bias")
-    if lb is not None and (not isinstance(lb, dict) or lb):
-        raise bad_request("'logit_bias' is not supported", "logit_bias", "unsupported_parameter")
+def _check_user(body: dict) -> None:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("'user' must be a string", "user", "invalid_type")
+
+
+def _logit_bias(body: dict, vocab_size: int) -> list[list[float]]:
+    """OpenAI's {"token id": bias in [-100, 100]} as [[id, bias], ...] (msgpack maps want string keys)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return []
+    if not isinstance(v, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to biases", "logit_bias", "invalid_type")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    out = []
+    for key, bias in v.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"logit_bias token id {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if not _is_num(bias) or not -100 <= bias <= 100:
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tid}",
+                              "logit_bias")
+        out.append([tid, float(bias)])
+    return out
+
+
+def _output_options(body: dict) -> OutputOptions:
+    """How the gateway turns tokens into text: the detokenizer's and stop strings' options."""
+    return OutputOptions(skip_special_tokens=bool_field(body, "skip_special_tokens", True),
+                         spaces_between_special_tokens=bool_field(body, "spaces_between_special_tokens", True),
+                         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
+                         tokens_as_ids=bool_field(body, "return_tokens_as_token_ids", False))
+
+
+def _min_tokens(params: dict, body: dict) -> None:
+    """min_tokens, checked against the request's final max_tokens."""
+    v = _int(body, "min_tokens", 0, 0, None)
+    if v > params["max_tokens"]:
+        raise bad_request(f"'min_tokens' ({v}) must not exceed max_tokens ({params['max_tokens']})", "min_tokens")
+    params["min_tokens"] = v
 
 
 def _common(body: dict, ctx: ModelContext) -> dict[str, Any]:
@@ -234,11 +300,13 @@ def _common(body: dict, ctx: ModelContext) -> dict[str, Any]:
         "temperature": _num(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         "top_k": _int(body, "top_k", -1, -1, None),
+        "min_p": _num(body, "min_p", 0.0, 0.0, 1.0),
         "stop_token_ids": _stop_token_ids(body, ctx.vocab_size),
-        "ignore_eos": _bool(body, "ignore_eos", False),
+        "ignore_eos": bool_field(body, "ignore_eos", False),
         "presence_penalty": _num(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         "repetition_penalty": _repetition_penalty(body),
+        "logit_bias": _logit_bias(body, ctx.vocab_size),
     }
 
 
@@ -286,8 +354,8 @@ async def parse_completion(body: Any, ctx: ModelContext) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
     body = _flatten(body, COMPLETION_FIELDS)
-    _check_unknown(body, COMPLETION_FIELDS)
-    model = _model(body, ctx)
+    _check_fields(body, COMPLETION_FIELDS)
+    model = check_model(body, ctx)
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
     prompt = body["prompt"]
@@ -298,13 +366,12 @@ async def parse_completion(body: Any, ctx: ModelContext) -> ParsedRequest:
     suffix = body.get("suffix")
     if suffix is not None and (not isinstance(suffix, str) or suffix):
         raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
-    _unsupported(body)
-    echo = _bool(body, "echo", False)
-    stream, include_usage = _stream(body)
+    _check_user(body)
+    echo = bool_field(body, "echo", False)
+    stream, include_usage, continuous = _stream(body)
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    if echo and logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported", "echo", "unsupported_parameter")
-    max_tokens = _int(body, "max_tokens", None, 1, None)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    max_tokens = _int(body, "max_tokens", None, 0 if echo else 1, None)   # 0: score the prompt only
     params = _common(body, ctx)
     stop = _stop(body)
     seeds = _seeds(body, n, ctx.max_n)
@@ -337,11 +404,30 @@ async def parse_completion(body: Any, ctx: ModelContext) -> ParsedRequest:
             texts.append(None)
         _check_ids(ids, ctx, "prompt")
         prompts.append(ids)
-    params["max_tokens"] = _max_tokens(max_tokens, "max_tokens", [len(p) for p in prompts], ctx, 16)
+    echo_only = echo and max_tokens == 0
+    # The engine makes one token that nobody sees when only the prompt is wanted (as vLLM does).
+    params["max_tokens"] = _max_tokens(1 if echo_only else max_tokens, "max_tokens", [len(p) for p in prompts],
+                                       ctx, 16)
+    _min_tokens(params, body)
     params["logprobs"] = logprobs
     _set_structured(params, structured_spec(body))
+    params["prompt_logprobs"] = _engine_prompt_logprobs(prompt_logprobs, logprobs if echo else None)
     return ParsedRequest("completion", model, prompts, texts, n, params, seeds, stop, stream, include_usage,
-                         logprobs, echo=echo)
+                         logprobs, echo=echo, output=_output_options(body), continuous_usage=continuous,
+                         prompt_logprobs=prompt_logprobs, echo_only=echo_only)
+
+
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    v = _int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if v is not None and stream:
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
+    return v
+
+
+def _engine_prompt_logprobs(*wanted: int | None) -> int | None:
+    """The top-N the engine scores the prompt with: the most any use of them asks for."""
+    asked = [w for w in wanted if w is not None]
+    return max(asked) if asked else None
 
 
 async def _encode(ctx: ModelContext, text: str) -> list[int]:
@@ -359,6 +445,8 @@ def tokenizer_unavailable(e: Exception) -> APIError:
 
 # ---------------------------------------------------------------------- chat
 def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI messages as the template takes them: text content, "developer" as "system", and
+    the participant's "name" where given."""
     if not isinstance(messages, list):
         raise bad_request("'messages' must be a list", "messages", "invalid_type")
     if not messages:
@@ -399,6 +487,8 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
                 raise bad_request(f"{where}.tool_call_id (a string) is required for a tool message",
                                   f"{where}.tool_call_id", "missing_required_parameter")
             msg["tool_call_id"] = m["tool_call_id"]
+        if name is not None:
+            msg["name"] = name
         out.append(msg)
     return out
 
@@ -434,29 +524,29 @@ async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = N
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
     allowed = CHAT_FIELDS if allowed is None else allowed
     body = _flatten(body, allowed)
-    _check_unknown(body, allowed)
-    model = _model(body, ctx)
+    _check_fields(body, allowed)
+    model = check_model(body, ctx)
     if "messages" not in body:
         raise bad_request("'messages' is required", "messages", "missing_required_parameter")
     messages = normalize_messages(body["messages"])
     n = _int(body, "n", 1, 1, ctx.max_n)
-    _unsupported(body)
+    _check_user(body)
     tools = parse_tools(body)
     spec = structured_spec(body)
     forced = tools.spec() if tools is not None else None
     if forced is not None and spec is not None:
         raise bad_request("a 'required' or named tool_choice cannot be combined with a response_format or "
                           "structured_outputs", "tool_choice")
-    _bool(body, "store", False)
+    bool_field(body, "store", False)
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise bad_request("'metadata' must be an object", "metadata", "invalid_type")
     if body.get("service_tier") is not None and not isinstance(body["service_tier"], str):
         raise bad_request("'service_tier' must be a string", "service_tier", "invalid_type")
     if force_stream is None:
-        stream, include_usage = _stream(body)
+        stream, include_usage, continuous = _stream(body)
     else:
-        stream, include_usage = force_stream, False
-    want_lp = _bool(body, "logprobs", False)
+        stream, include_usage, continuous = force_stream, False, False
+    want_lp = bool_field(body, "logprobs", False)
     top_lp = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top_lp is not None and not want_lp:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
@@ -469,9 +559,11 @@ async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = N
     params = _common(body, ctx)
     stop = _stop(body)
     seeds = _seeds(body, n, ctx.max_n)
+    add_generation_prompt, options = template_options(body, ctx, messages)
     try:
-        template_kw = {"tools": tools.tools} if tools is not None else {}
-        ids = list(await ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kw))
+        if tools is not None:
+            options.tools = tools.tools
+        ids = list(await ctx.tokenizer.apply_chat_template(messages, add_generation_prompt, options))
     except ValueError as e:
         raise bad_request(f"invalid messages: {e}", "messages") from None
     except Exception as e:
@@ -479,7 +571,32 @@ async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = N
     _check_ids(ids, ctx, "messages")
     params["max_tokens"] = _max_tokens(max_tokens, "max_tokens" if mct is None else "max_completion_tokens",
                                        [len(ids)], ctx, None)
+    _min_tokens(params, body)
     params["logprobs"] = logprobs
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    params["prompt_logprobs"] = prompt_logprobs
     _set_structured(params, forced or spec)
     return ParsedRequest("chat", model, [ids], [None], n, params, seeds, stop, stream, include_usage, logprobs,
-                         extra={"messages": messages}, tools=tools)
+                         extra={"messages": messages}, tools=tools, output=_output_options(body),
+                         continuous_usage=continuous, prompt_logprobs=prompt_logprobs)
+
+
+def template_options(body: dict, ctx: ModelContext, messages: list[dict]) -> tuple[bool, ChatTemplateOptions]:
+    """add_generation_prompt and the rest of vLLM's chat template fields, checked."""
+    continue_final = bool_field(body, "continue_final_message", False)
+    agp = bool_field(body, "add_generation_prompt", not continue_final)
+    if continue_final and agp:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          "continue_final_message")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise bad_request("'continue_final_message' needs an assistant message last", "continue_final_message")
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise bad_request("'chat_template' must be a string", "chat_template", "invalid_type")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
+    reserved = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(reserved)}", "chat_template_kwargs")
+    return agp, ChatTemplateOptions(continue_final, template or ctx.chat_template, dict(kwargs or {}))

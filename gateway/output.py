@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shared.protocol import Delta
+from shared.protocol import Delta, TokenLogprob
 
 from .errors import GenerationError
 
@@ -26,35 +26,45 @@ class StopChecker:
 
     Only a tail that is the start of some stop string is held back, so a client never sees a
     piece of a stop string and sees all other text at once. ``feed`` returns what may be emitted now and whether a stop string
-    ended the text (which is then truncated before it).
+    ended the text (which is then truncated before it, or after it with ``include_stop``). As in
+    vLLM, nothing is matched in the text of the first ``min_tokens`` tokens.
     """
 
-    __slots__ = ("stops", "max_len", "text", "emitted", "stopped")
+    __slots__ = ("stops", "max_len", "text", "emitted", "stopped", "include_stop", "min_tokens", "floor")
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False, min_tokens: int = 0):
         self.stops = stops
         self.max_len = max((len(s) for s in stops), default=0)
         self.text = ""
         self.emitted = 0
         self.stopped: str | None = None
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.floor = 0                   # no match starts before this (text of the first min_tokens)
 
-    def feed(self, piece: str) -> tuple[str, bool]:
+    def feed(self, piece: str, num_tokens: int | None = None) -> tuple[str, bool]:
+        """`piece`: new text; `num_tokens`: output tokens so far, this piece's included."""
         if self.stopped is not None:
             return "", True
         if not self.stops:
             return piece, False
         old_len = len(self.text)
         self.text += piece
-        start = max(0, old_len - self.max_len + 1)
+        if num_tokens is not None and num_tokens <= self.min_tokens:
+            out, self.emitted = self.text[self.emitted:], len(self.text)
+            self.floor = self.emitted
+            return out, False
+        start = max(self.floor, old_len - self.max_len + 1)
         best, best_end = -1, 0
         for s in self.stops:      # the match that completes first wins (as if fed one character at a time)
             i = self.text.find(s, start)
             if i != -1 and (best == -1 or (i + len(s), i) < (best_end, best)):
                 best, best_end, self.stopped = i, i + len(s), s
         if best != -1:
-            out = self.text[self.emitted:best]
-            self.text = self.text[:best]
-            self.emitted = best
+            end = best_end if self.include_stop else best
+            out = self.text[self.emitted:end]
+            self.text = self.text[:end]
+            self.emitted = end
             return out, True
         safe = len(self.text) - self._partial_match()
         out = ""
@@ -65,6 +75,7 @@ class StopChecker:
         if self.emitted > 4 * self.max_len:
             cut = self.emitted - self.max_len
             self.text, self.emitted = self.text[cut:], self.emitted - cut
+            self.floor = max(0, self.floor - cut)
         return out, False
 
     def _partial_match(self) -> int:
@@ -81,6 +92,17 @@ class StopChecker:
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out
+
+
+@dataclass(slots=True, frozen=True)
+class OutputOptions:
+    """A request's text options (vLLM's request fields)."""
+    skip_special_tokens: bool = True
+    # Fast tokenizers (the only kind Kaiten loads) join special tokens' text without spaces, as
+    # in vLLM, which applies this flag on its slow-tokenizer path only.
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    tokens_as_ids: bool = False            # logprob tokens as "token_id:N" (return_tokens_as_token_ids)
 
 
 @dataclass(slots=True)
@@ -111,6 +133,7 @@ class RequestState:
     detokenizer: Any                      # tokenizer_service.Detokenizer
     stop: StopChecker
     want_logprobs: bool = False
+    options: OutputOptions = field(default_factory=OutputOptions)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # Piece | GenerationError
     next_seq: int = 0
     engine_id: str | None = None
@@ -121,6 +144,11 @@ class RequestState:
     finished_at: float | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None      # "stop" | "length", once finished
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished it
+    # Prompt logprobs as the engine sent them (first token: None) and the text of every token
+    # they name (the prompt's own included).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_strings: dict[int, str] = field(default_factory=dict)
     num_cached_tokens: int = 0
     engine_finished: bool = False         # the engine sent its terminal delta
     abort_sent: bool = False
@@ -160,6 +188,9 @@ class OutputProcessor:
                 continue
             if s.first_delta is None:
                 s.first_delta = now
+            if d.prompt_logprobs is not None:
+                s.prompt_logprobs = d.prompt_logprobs
+                s.prompt_strings = {t: strings.get(t, "") for t in _prompt_token_ids(d, s)}
             if d.token_ids:
                 if s.first_token_at is None:
                     s.first_token_at = now
@@ -175,27 +206,32 @@ class OutputProcessor:
                 if d.finish_reason in ("error", "abort"):
                     self._fail(s, _engine_error(d, s))
                     continue
+            ids = d.token_ids
+            if d.finish_reason == "stop" and ids and not s.options.include_stop_str_in_output:
+                ids = ids[:-1]                # the EOS or stop token id: not text (vLLM's rule)
             try:
-                text = s.detokenizer.add(d.token_ids) if d.token_ids else ""
+                text = s.detokenizer.add(ids) if ids else ""
                 if d.finish_reason is not None:
                     text += s.detokenizer.finish()
             except ValueError as e:
                 self._fail(s, GenerationError(502, f"cannot detokenize the output: {e}", code="bad_tokens"))
                 continue
-            out, stopped = s.stop.feed(text)
+            out, stopped = s.stop.feed(text, len(s.token_ids))
             finish = None
             if stopped:
-                finish = "stop"
+                finish, s.stop_reason = "stop", s.stop.stopped
                 if not s.engine_finished:
                     to_abort.append(s.request_id)
                     s.abort_sent = True
             elif d.finish_reason is not None:
                 out += s.stop.flush()
                 finish = d.finish_reason if d.finish_reason in ("stop", "length") else "stop"
+                s.stop_reason = d.stop_reason if finish == "stop" else None
             lps = None
             if s.want_logprobs:
-                lps = [Logprob(strings.get(lp.token_id, ""), lp.logprob,
-                               [(strings.get(t, ""), v) for t, v in lp.top]) for lp in d.logprobs or ()]
+                name = _token_name(strings, s.options.tokens_as_ids)
+                lps = [Logprob(name(lp.token_id), lp.logprob, [(name(t), v) for t, v in lp.top])
+                       for lp in d.logprobs or ()]
             if finish is not None:
                 s.finish_reason, s.finished_at = finish, now
                 self._finish(s)
@@ -235,12 +271,14 @@ class OutputProcessor:
         ids: dict[int, None] = {}
         for d in deltas:
             s = streams.get(d.request_id) if isinstance(d.request_id, str) else None
-            if s is None or not s.want_logprobs or not d.logprobs:
+            if s is None or not (s.want_logprobs and d.logprobs or d.prompt_logprobs):
                 continue
-            for lp in d.logprobs:
+            for lp in d.logprobs if s.want_logprobs and d.logprobs else ():
                 ids[lp.token_id] = None
                 for t, _ in lp.top:
                     ids[t] = None
+            for t in _prompt_token_ids(d, s):
+                ids[t] = None
         if not ids:
             return {}
         keys = list(ids)
@@ -248,6 +286,23 @@ class OutputProcessor:
             return dict(zip(keys, self.tokenizer.token_strings(keys)))
         except ValueError:                    # a logprob's token text is best effort
             return {}
+
+
+def _prompt_token_ids(d: Delta, s: RequestState) -> list[int]:
+    """The tokens a delta's prompt logprobs name: the prompt's and their top alternatives."""
+    if not d.prompt_logprobs:
+        return []
+    ids = list(s.prompt_ids)
+    for lp in d.prompt_logprobs:
+        if lp is not None:
+            ids += [t for t, _ in lp.top]
+    return ids
+
+
+def _token_name(strings: dict[int, str], as_ids: bool) -> Callable[[int], str]:
+    if as_ids:
+        return lambda t: f"token_id:{t}"
+    return lambda t: strings.get(t, "")
 
 
 def _engine_error(d: Delta, s: RequestState) -> GenerationError:

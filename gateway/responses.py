@@ -75,10 +75,20 @@ async def merged(gens: list[SubGeneration]) -> AsyncIterator[tuple[SubGeneration
 
 def usage(parsed: ParsedRequest, gens: list[SubGeneration]) -> dict[str, Any]:
     prompt = sum(len(p) for p in parsed.prompts)
-    completion = sum(g.completion_tokens for g in gens)
+    completion = 0 if parsed.echo_only else sum(g.completion_tokens for g in gens)
     cached = sum(g.num_cached_tokens for g in gens if g.sub.index % parsed.n == 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _token_bytes(token: str) -> list[int]:
+    """A logprob token's bytes: those a "bytes:\\xNN..." name spells out, else its UTF-8."""
+    if token.startswith("bytes:\\x"):
+        try:
+            return list(bytes.fromhex(token[6:].replace("\\x", "")))
+        except ValueError:
+            pass
+    return list(token.encode("utf-8"))
 
 
 # ---------------------------------------------------------------------- logprobs shapes
@@ -88,6 +98,28 @@ class CompletionLogprobs:
     def __init__(self, top_n: int, offset: int = 0):
         self.top_n, self.offset = top_n, offset
 
+    def build_prompt(self, g: SubGeneration) -> dict[str, Any]:
+        """The echoed prompt's entries: its first token has no logprob (None, as in vLLM)."""
+        s = g.state
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp in zip(g.sub.prompt_ids, s.prompt_logprobs or [None] * len(g.sub.prompt_ids)):
+            text = s.prompt_strings.get(tid, "")
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if lp is None else _lp(lp.logprob))
+            top = None
+            if lp is not None and self.top_n > 0:
+                top = {}
+                for t, v in lp.top[: self.top_n]:
+                    top.setdefault(s.prompt_strings.get(t, ""), _lp(v))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    @staticmethod
+    def join(a: dict[str, list], b: dict[str, list]) -> dict[str, list]:
+        return {k: a[k] + b[k] for k in a}
+
     def build(self, lps: list[Logprob] | None) -> dict[str, Any]:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in lps or []:
@@ -95,6 +127,8 @@ class CompletionLogprobs:
             out["tokens"].append(s)
             out["token_logprobs"].append(_lp(lp.logprob))
             if self.top_n > 0:
+                # A dict keyed by token text (the API's shape): where two tokens share a text
+                # (say, a special token and its plain spelling) the likelier one's entry is kept.
                 top: dict[str, float] = {}
                 for t, v in lp.top[: self.top_n]:
                     top.setdefault(t, _lp(v))
@@ -106,24 +140,45 @@ class CompletionLogprobs:
         return out
 
 
+def prompt_logprobs_field(g: SubGeneration, top_n: int | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}, the prompt token itself first, then the top `top_n`."""
+    s = g.state
+    if top_n is None or s.prompt_logprobs is None:
+        return None
+    out: list = []
+    for lp in s.prompt_logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": s.prompt_strings.get(lp.token_id, "")}}
+        for rank, (t, v) in enumerate(lp.top[:top_n], start=1):
+            entry.setdefault(str(t), {"logprob": _lp(v), "rank": rank, "decoded_token": s.prompt_strings.get(t, "")})
+        out.append(entry)
+    return out
+
+
 def chat_logprobs(lps: list[Logprob] | None, top_n: int) -> dict[str, Any]:
     content = []
     for lp in lps or []:
         content.append({
-            "token": lp.token, "logprob": _lp(lp.logprob), "bytes": list(lp.token.encode("utf-8")),
-            "top_logprobs": [{"token": t, "logprob": _lp(v), "bytes": list(t.encode("utf-8"))}
+            "token": lp.token, "logprob": _lp(lp.logprob), "bytes": _token_bytes(lp.token),
+            "top_logprobs": [{"token": t, "logprob": _lp(v), "bytes": _token_bytes(t)}
                              for t, v in lp.top[:top_n]],
         })
     return {"content": content, "refusal": None}
 
 
 # ---------------------------------------------------------------------- streams
-def _chunker(parsed: ParsedRequest, rid: str, created: int, obj: str) -> Callable[..., bytes]:
-    """The SSE frame of one streamed chunk (`obj`: its "object" field)."""
+def _chunker(parsed: ParsedRequest, gens: list[SubGeneration], rid: str, created: int,
+             obj: str) -> Callable[..., bytes]:
+    """The SSE frame of one streamed chunk (`obj`: its "object" field). With continuous_usage_stats
+    every chunk carries the usage so far."""
     def chunk(choices: list, **extra) -> bytes:
         d = {"id": rid, "object": obj, "created": created, "model": parsed.model, "choices": choices}
         if parsed.include_usage:
-            d["usage"] = None
+            d["usage"] = usage(parsed, gens) if parsed.continuous_usage and choices else None
         d.update(extra)
         return sse(d)
     return chunk
@@ -156,19 +211,38 @@ async def _stream(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str
 # ---------------------------------------------------------------------- completions
 def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
                    created: int) -> AsyncIterator[bytes]:
-    chunk = _chunker(parsed, rid, created, "text_completion")
+    chunk = _chunker(parsed, gens, rid, created, "text_completion")
     lp_builders = {g.sub.index: CompletionLogprobs(parsed.logprobs or 0) for g in gens}
 
+    # With logprobs the echoed prompt waits for its logprobs, which come with the first token.
+    echo_waits = parsed.echo and parsed.logprobs is not None
+
+    async def echo_chunk(g: SubGeneration) -> bytes:
+        text = g.sub.prompt_text if g.sub.prompt_text is not None else await gw.tokenizer.decode(g.sub.prompt_ids)
+        lp = lp_builders[g.sub.index].build_prompt(g) if parsed.logprobs is not None else None
+        return chunk([{"index": g.sub.index, "text": text, "logprobs": lp, "finish_reason": None,
+                       "stop_reason": None}])
+
     async def frames() -> AsyncIterator[bytes]:
-        if parsed.echo:
+        echoed = set()
+        if parsed.echo and not echo_waits:
             for g in gens:
-                text = g.sub.prompt_text if g.sub.prompt_text is not None else await gw.tokenizer.decode(g.sub.prompt_ids)
-                yield chunk([{"index": g.sub.index, "text": text, "logprobs": None, "finish_reason": None}])
+                echoed.add(g.sub.index)
+                yield await echo_chunk(g)
         async for g, p in merged(gens):
+            if parsed.echo and p.index not in echoed:
+                echoed.add(p.index)
+                yield await echo_chunk(g)
+            if parsed.echo_only:
+                if p.finish_reason is not None:
+                    yield chunk([{"index": p.index, "text": "", "logprobs": None, "finish_reason": "length",
+                                  "stop_reason": None}])
+                continue
             if not p.text and p.finish_reason is None and not p.logprobs:
                 continue
             lp = lp_builders[p.index].build(p.logprobs) if parsed.logprobs is not None else None
-            yield chunk([{"index": p.index, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason}])
+            yield chunk([{"index": p.index, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason,
+                          "stop_reason": g.stop_reason if p.finish_reason else None}])
 
     return _stream(gw, parsed, gens, rid, chunk, frames())
 
@@ -177,15 +251,21 @@ def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pi
                         rid: str, created: int, prompt_texts: dict[int, str]) -> dict[str, Any]:
     choices = []
     for g in sorted(gens, key=lambda g: g.sub.index):
-        ps = pieces.get(g.sub.index, [])
+        ps = [] if parsed.echo_only else pieces.get(g.sub.index, [])
         text = "".join(p.text for p in ps)
         prefix = prompt_texts.get(g.sub.index, "") if parsed.echo else ""
         lp = None
         if parsed.logprobs is not None:
             lps = [x for p in ps for x in (p.logprobs or [])]
-            lp = CompletionLogprobs(parsed.logprobs, len(prefix)).build(lps)
-        choices.append({"index": g.sub.index, "text": prefix + text, "logprobs": lp,
-                        "finish_reason": g.finish_reason})
+            if parsed.echo:
+                builder = CompletionLogprobs(parsed.logprobs)
+                lp = builder.join(builder.build_prompt(g), builder.build(lps))
+            else:
+                lp = CompletionLogprobs(parsed.logprobs, len(prefix)).build(lps)
+        finish, stop_reason = ("length", None) if parsed.echo_only else (g.finish_reason, g.stop_reason)
+        choices.append({"index": g.sub.index, "text": prefix + text, "logprobs": lp, "finish_reason": finish,
+                        "stop_reason": stop_reason,
+                        "prompt_logprobs": prompt_logprobs_field(g, parsed.prompt_logprobs)})
     return {"id": rid, "object": "text_completion", "created": created, "model": parsed.model,
             "choices": choices, "usage": usage(parsed, gens)}
 
@@ -193,7 +273,7 @@ def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pi
 # ---------------------------------------------------------------------- chat
 def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
              created: int) -> AsyncIterator[bytes]:
-    chunk = _chunker(parsed, rid, created, "chat.completion.chunk")
+    chunk = _chunker(parsed, gens, rid, created, "chat.completion.chunk")
     want_lp = parsed.logprobs is not None
     calling = parsed.tools if parsed.tools is not None and parsed.tools.parses_output else None
     tool_streams = {g.sub.index: ToolStream(calling) for g in gens} if calling else {}
@@ -217,7 +297,8 @@ def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
                     for delta in ts.finish():
                         yield chunk([{"index": p.index, "delta": delta, "logprobs": None, "finish_reason": None}])
                     finish = "tool_calls" if ts.num_calls and finish == "stop" else finish
-                yield chunk([{"index": p.index, "delta": {}, "logprobs": None, "finish_reason": finish}])
+                yield chunk([{"index": p.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                              "stop_reason": g.stop_reason}])
 
     return _stream(gw, parsed, gens, rid, chunk, frames())
 
@@ -231,9 +312,11 @@ def chat_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: 
         if parsed.logprobs is not None:
             lp = chat_logprobs([x for p in ps for x in (p.logprobs or [])], parsed.logprobs)
         message, finish = _chat_message(parsed, "".join(p.text for p in ps), g.finish_reason)
-        choices.append({"index": g.sub.index, "message": message, "logprobs": lp, "finish_reason": finish})
+        choices.append({"index": g.sub.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                        "stop_reason": g.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": parsed.model,
-            "choices": choices, "usage": usage(parsed, gens)}
+            "choices": choices, "usage": usage(parsed, gens),
+            "prompt_logprobs": prompt_logprobs_field(gens[0], parsed.prompt_logprobs)}
 
 
 def _chat_message(parsed: ParsedRequest, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:

@@ -132,6 +132,7 @@ class GatewayConfig(_EnvConfig):
     port: int = 8000
     model: str = ""                      # model directory (tokenizer, served model name)
     served_model_name: str = ""          # "" -> directory name
+    chat_template: str = ""              # a Jinja template file or text; "" -> the tokenizer's own
     tokenizer_url: str = ""              # "" -> prompts tokenized in-process (outputs always are)
     api_keys: tuple[str, ...] = ()
     max_queued_requests: int = 256       # admission control: waiting requests across engines

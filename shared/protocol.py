@@ -10,6 +10,8 @@ Every message is a map with ``v`` (protocol version) and ``t`` (type). Types:
   A delta carries a per-request sequence number ``seq`` (0, 1, 2, ...). The last delta of a
   request has ``finish_reason`` set; ``finish_reason == "error"`` comes with ``error`` text.
   So "finish" and "error" are terminal deltas, numbered like any other, and a gap is visible.
+  ``finish_reason == "stop"`` means the request's last token is an EOS or one of its stop token ids
+  (``stop_reason`` names the latter); gateways do not show that token as text.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)   # (token_id, logprob), best first
+    rank: int | None = None             # prompt logprobs: the token's rank in its distribution (1: the top)
 
 
 @dataclass(slots=True)
@@ -60,6 +63,9 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    stop_reason: int | None = None      # the stop token id that ended it ("stop" by EOS: None)
+    # On the first delta of a request that asked: one per prompt token (the first has none: None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Filled on the terminal delta: usage and the engine's own event times (engine clock).
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -132,12 +138,19 @@ def _decode_tokens(body: dict) -> TokenBatch:
         _check(isinstance(d, dict), "tokens: a delta must be a map")
         delta = _build(Delta, d)
         if delta.logprobs is not None:
-            delta.logprobs = [_build(TokenLogprob, lp) for lp in delta.logprobs]
-            for lp in delta.logprobs:
-                lp.top = [tuple(x) for x in lp.top]
+            delta.logprobs = [_token_logprob(lp) for lp in delta.logprobs]
+        if delta.prompt_logprobs is not None:
+            delta.prompt_logprobs = [None if lp is None else _token_logprob(lp) for lp in delta.prompt_logprobs]
         deltas.append(delta)
     body["deltas"] = deltas
     return _build(TokenBatch, body)
+
+
+def _token_logprob(body: Any) -> TokenLogprob:
+    _check(isinstance(body, dict), "tokens: a logprob must be a map")
+    lp = _build(TokenLogprob, body)
+    lp.top = [tuple(x) for x in lp.top]
+    return lp
 
 
 def decode(data: bytes) -> GenerateRequest | Abort | TokenBatch:

@@ -114,7 +114,7 @@ def test_multibyte_characters_split_over_tokens(tok):
     h = Harness(tok)
     s = h.add("a", [])
     for i, t in enumerate(ids):
-        h.batch([Delta("a", i, [t], finish_reason="stop" if i == len(ids) - 1 else None)])
+        h.batch([Delta("a", i, [t], finish_reason="length" if i == len(ids) - 1 else None)])
     pieces = drain(s)
     assert "" in [p.text for p in pieces[:-1]]                     # something was held back
     assert all(FFFD not in p.text for p in pieces)
@@ -182,9 +182,9 @@ def test_logprob_strings_one_batched_call_per_step(tok, monkeypatch):
              Delta("c", 0, idb[:2])])
     assert len(calls) == 1 and sorted(calls[0]) == sorted(set(ida[:3] + idb[:2] + [5, 2]))
     pa, pb, pc = drain(a)[0], drain(b)[0], drain(c)[0]
-    assert [x.token for x in pa.logprobs] == [tok.decode([t]) for t in ida[:3]]
+    assert [x.token for x in pa.logprobs] == real(ida[:3])
     assert [x.token for x in pb.logprobs] == [tok.decode([t]) for t in idb[:2]]
-    assert pb.logprobs[0].top == [(tok.decode([idb[0]]), -0.5), (tok.decode([5]), -1.0), ("", -2.0)]  # 2: special
+    assert pb.logprobs[0].top == [(tok.decode([idb[0]]), -0.5), (tok.decode([5]), -1.0), ("<|im_end|>", -2.0)]
     assert pc.logprobs is None
     h.batch([Delta("c", 1, [7])])
     assert len(calls) == 1                    # no logprobs asked for in that batch: no call
@@ -303,3 +303,13 @@ def test_requests_are_added_without_maxlen(redis_server, tiny_model_dir):
     finally:
         srv.stop()
         eng.stop()
+
+
+def test_stop_checker_include_stop_and_min_tokens():
+    from gateway.output import StopChecker
+    c = StopChecker(["ab"], include_stop=True)
+    assert c.feed("xxab yy", 1) == ("xxab", True) and c.stopped == "ab"
+    c = StopChecker(["ab"], min_tokens=2)
+    assert c.feed("ab", 1) == ("ab", False)            # within min_tokens: no match
+    assert c.feed("a", 2) == ("a", False)
+    assert c.feed("b x ab", 3) == ("b x ", True)     # the "a" of the min_tokens text does not start one

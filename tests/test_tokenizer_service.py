@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.tiny_model import _CORPUS
-from tokenizer_service import (ChatTokenizer, Detokenizer, LocalAsyncTokenizer, RemoteAsyncTokenizer,
+from tokenizer_service import (ChatTemplateOptions, ChatTokenizer, Detokenizer, LocalAsyncTokenizer, RemoteAsyncTokenizer,
                                TokenizerUnavailable, make_tokenizer)
 from tokenizer_service.service import create_app
 
@@ -212,8 +212,14 @@ def test_detokenizer_uses_decode_stream_one_call_per_add(tok, monkeypatch):
 
 
 def test_token_strings_batched(tok):
+    """Special tokens by their text; a token that is part of a character by its bytes, as OpenAI
+    writes them ("bytes:\\xf0\\x9f"), so no two tokens share a name."""
     ids = tok.encode("Émilie 🙂 hello") + [2]
-    assert tok.token_strings(ids) == [tok.decode([i]) for i in ids]
+    names = tok.token_strings(ids)
+    assert names[-1] == "<|im_end|>" and any(n.startswith("bytes:") for n in names)
+    raw = b"".join(bytes.fromhex(n[6:].replace("\\x", "")) if n.startswith("bytes:") else n.encode()
+                   for n in names[:-1])
+    assert raw.decode() == "Émilie 🙂 hello"
     assert tok.token_strings([]) == []
 
 
@@ -365,6 +371,19 @@ async def _exercise(t, tok: ChatTokenizer) -> None:
             await t.apply_chat_template(bad)
     with pytest.raises(ValueError):
         await t.decode([-5])
+    # vLLM's chat template options travel to the service too.
+    prefill = CONVERSATIONS[0] + [{"role": "assistant", "content": "The quick"}]
+    text = await t.render_chat(prefill, False, ChatTemplateOptions(continue_final_message=True))
+    assert text.endswith("<|im_start|>assistant\nThe quick") and text == tok.render_chat(
+        prefill, False, ChatTemplateOptions(continue_final_message=True))
+    named = ChatTemplateOptions(chat_template="{{ hi }}{% for m in messages %}{{ m.name }}{% endfor %}",
+                                kwargs={"hi": "Hey "})
+    assert await t.render_chat([{"role": "user", "content": "x", "name": "bo"}], True, named) == "Hey bo"
+    for bad in (ChatTemplateOptions(continue_final_message=True), ChatTemplateOptions(kwargs={"tokenize": 1})):
+        with pytest.raises(ValueError):
+            await t.render_chat(prefill, True, bad)
+    assert await t.decode([1, 40, 2], skip_special_tokens=False) == tok.decode([1, 40, 2], False)
+    assert (await t.decode([1, 40, 2], skip_special_tokens=False)).startswith("<|im_start|>")
 
 
 def test_local_async_tokenizer(tok, tiny_model_dir):

@@ -7,6 +7,7 @@ import pytest
 
 from gateway.tools import ToolStream, extract, parse_tools
 from tokenizer_service import ChatTokenizer
+from tokenizer_service.tokenizer import ChatTemplateOptions
 from tests.tiny_model import build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -23,7 +24,7 @@ def hf():
 
 
 def test_template_without_tools_gets_the_hermes_format(hf):
-    text = ChatTokenizer(hf).render_chat(TURNS, tools=TOOLS)
+    text = ChatTokenizer(hf).render_chat(TURNS, options=ChatTemplateOptions(tools=TOOLS))
     system, rest = text.split("<|im_end|>", 1)
     assert system.startswith("<|im_start|>system\n") and "<tools>" in system and '"get_weather"' in system
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in rest
@@ -40,7 +41,7 @@ def test_template_with_tools_gets_them_natively():
     hf.chat_template = ("{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
                         "{% for m in messages %}{{ m.role }}: {{ m.content }}"
                         "{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }}{% endfor %}\n{% endfor %}")
-    text = ChatTokenizer(hf).render_chat(TURNS, tools=TOOLS, add_generation_prompt=False)
+    text = ChatTokenizer(hf).render_chat(TURNS, add_generation_prompt=False, options=ChatTemplateOptions(tools=TOOLS))
     assert text.startswith("TOOL get_weather") and "assistant: CALL Paris" in text and 'tool: {"c": 21}' in text
 
 

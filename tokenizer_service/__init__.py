@@ -6,9 +6,9 @@ See tokenizer.py (the library), client.py (the async interface, in-process or ov
 service.py (the Starlette app behind ``kaiten tokenizer``).
 """
 from .client import AsyncTokenizer, LocalAsyncTokenizer, RemoteAsyncTokenizer, TokenizerUnavailable, make_tokenizer
-from .tokenizer import ChatTokenizer, Detokenizer, validate_messages, validate_token_ids
+from .tokenizer import ChatTemplateOptions, ChatTokenizer, Detokenizer, validate_messages, validate_token_ids
 
 __all__ = [
-    "AsyncTokenizer", "ChatTokenizer", "Detokenizer", "LocalAsyncTokenizer",
+    "AsyncTokenizer", "ChatTemplateOptions", "ChatTokenizer", "Detokenizer", "LocalAsyncTokenizer",
     "RemoteAsyncTokenizer", "TokenizerUnavailable", "make_tokenizer", "validate_messages", "validate_token_ids",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from .tokenizer import ChatTokenizer, validate_messages
+from .tokenizer import ChatTemplateOptions, ChatTokenizer, validate_messages
 
 # Above this much text (characters) or this many ids, in-process work runs on a worker thread so
 # the event loop keeps serving other requests.
@@ -39,19 +39,20 @@ class AsyncTokenizer(abc.ABC):
     @abc.abstractmethod
     async def encode(self, text: str) -> list[int]: ...
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                                  tools: list[dict] | None = None) -> list[int]:
-        return (await self.chat_prompt(messages, add_generation_prompt, tools))[1]
-
     @abc.abstractmethod
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                          tools: list[dict] | None = None) -> tuple[str, list[int]]: ...
+                          options: ChatTemplateOptions | None = None) -> tuple[str, list[int]]: ...
 
     @abc.abstractmethod
-    async def decode(self, ids: list[int]) -> str: ...
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return (await self.chat_prompt(messages, add_generation_prompt))[0]
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  options: ChatTemplateOptions | None = None) -> list[int]:
+        return (await self.chat_prompt(messages, add_generation_prompt, options))[1]
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          options: ChatTemplateOptions | None = None) -> str:
+        return (await self.chat_prompt(messages, add_generation_prompt, options))[0]
 
     async def start(self) -> None:
         """Optional: get ready (the remote tokenizer fetches /info) without blocking the loop."""
@@ -94,16 +95,16 @@ class LocalAsyncTokenizer(AsyncTokenizer):
         return self.tokenizer.encode(text)
 
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                          options: ChatTemplateOptions | None = None) -> tuple[str, list[int]]:
         msgs = validate_messages(messages)
-        if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS or tools:
-            return await asyncio.to_thread(self.tokenizer.chat_prompt, msgs, add_generation_prompt, tools)
-        return self.tokenizer.chat_prompt(msgs, add_generation_prompt)
+        if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS or (options is not None and options.tools):
+            return await asyncio.to_thread(self.tokenizer.chat_prompt, msgs, add_generation_prompt, options)
+        return self.tokenizer.chat_prompt(msgs, add_generation_prompt, options)
 
-    async def decode(self, ids: list[int]) -> str:
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if len(ids) > OFFLOAD_IDS:
-            return await asyncio.to_thread(self.tokenizer.decode, ids)
-        return self.tokenizer.decode(ids)
+            return await asyncio.to_thread(self.tokenizer.decode, ids, skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens)
 
 
 # ---------------------------------------------------------------------- over HTTP
@@ -206,20 +207,21 @@ class RemoteAsyncTokenizer(AsyncTokenizer):
         return list((await self._request("POST", "/tokenize", {"text": text}))["token_ids"])
 
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                          options: ChatTemplateOptions | None = None) -> tuple[str, list[int]]:
         msgs = validate_messages(messages)
         if not isinstance(add_generation_prompt, bool):
             raise ValueError("add_generation_prompt must be a boolean")
+        options = options or ChatTemplateOptions()
+        options.validate(add_generation_prompt, msgs)
         await self._ready()
-        body = {"messages": msgs, "add_generation_prompt": add_generation_prompt}
-        if tools:
-            body["tools"] = tools
-        data = await self._request("POST", "/chat/template", body)
+        data = await self._request("POST", "/chat/template", {"messages": msgs, "add_generation_prompt":
+                                                              add_generation_prompt, **options.to_dict()})
         return data["prompt"], list(data["token_ids"])
 
-    async def decode(self, ids: list[int]) -> str:
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         await self._ready()
-        return (await self._request("POST", "/detokenize", {"token_ids": list(ids)}))["text"]
+        body = {"token_ids": list(ids), "skip_special_tokens": skip_special_tokens}
+        return (await self._request("POST", "/detokenize", body))["text"]
 
     async def aclose(self) -> None:
         await self._client.aclose()

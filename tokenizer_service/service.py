@@ -11,8 +11,9 @@ Endpoints (JSON in, JSON out; errors in the OpenAI shape {"error": {"message", "
     GET  /info              {"model", "eos_token_id", "bos_token_id", "vocab_size", "model_max_length",
                              "special_token_ids"}
     POST /tokenize          {"text"} -> {"token_ids"}
-    POST /detokenize        {"token_ids"} -> {"text"}                                 (whole sequence)
-    POST /chat/template     {"messages"[, "add_generation_prompt" (default true), "tools"]} -> {"prompt", "token_ids"}
+    POST /detokenize        {"token_ids"[, "skip_special_tokens" (default true)]} -> {"text"}  (whole sequence)
+    POST /chat/template     {"messages"[, "add_generation_prompt" (default true), "continue_final_message",
+                             "chat_template", "chat_template_kwargs", "tools"]} -> {"prompt", "token_ids"}
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .tokenizer import ChatTokenizer, validate_messages, validate_token_ids
+from .tokenizer import ChatTemplateOptions, ChatTokenizer, validate_messages, validate_token_ids
 
 log = logging.getLogger("kaiten.tokenizer")
 
@@ -120,7 +121,8 @@ def create_app(tokenizer: ChatTokenizer, model_name: str | None = None) -> Starl
     async def detokenize(request: Request) -> JSONResponse:
         data = await _json_object(request)
         ids = _ids(data)
-        text = await run_in_threadpool(tok.decode, ids) if len(ids) > OFFLOAD_IDS else tok.decode(ids)
+        skip = _field(data, "skip_special_tokens", bool, "a boolean", default=True)
+        text = await run_in_threadpool(tok.decode, ids, skip) if len(ids) > OFFLOAD_IDS else tok.decode(ids, skip)
         return JSONResponse({"text": text})
 
     async def chat_template(request: Request) -> JSONResponse:
@@ -128,16 +130,19 @@ def create_app(tokenizer: ChatTokenizer, model_name: str | None = None) -> Starl
         if "messages" not in data:
             raise BadRequest("'messages' is required", param="messages", code="missing_field")
         agp = _field(data, "add_generation_prompt", bool, "a boolean", default=True)
-        tools = _field(data, "tools", list, "a list of tool objects", default=None)
+        options = ChatTemplateOptions(_field(data, "continue_final_message", bool, "a boolean", default=False),
+                                      _field(data, "chat_template", str, "a string", default=None),
+                                      _field(data, "chat_template_kwargs", dict, "an object", default={}),
+                                      _field(data, "tools", list, "a list of tool objects", default=None))
         try:
             msgs = validate_messages(data["messages"])
         except ValueError as e:
             raise BadRequest(str(e), param="messages") from None
         try:
-            if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS or tools:
-                prompt, ids = await run_in_threadpool(tok.chat_prompt, msgs, agp, tools)
+            if sum(len(m["content"]) for m in msgs) > OFFLOAD_CHARS or options.tools:
+                prompt, ids = await run_in_threadpool(tok.chat_prompt, msgs, agp, options)
             else:
-                prompt, ids = tok.chat_prompt(msgs, agp)
+                prompt, ids = tok.chat_prompt(msgs, agp, options)
         except ValueError as e:
             raise BadRequest(str(e), param="messages") from None
         return JSONResponse({"prompt": prompt, "token_ids": ids})

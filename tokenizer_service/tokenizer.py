@@ -12,7 +12,9 @@ back, as ``decode`` gives it (an unfinished character as U+FFFD).
 """
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -52,6 +54,52 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
         out.append(dict(m))
     return out
+
+
+# Arguments of HF's apply_chat_template: not template variables a request may set.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "chat_template", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "return_dict", "return_tensors",
+                                      "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                      "return_assistant_tokens_mask", "tools"})
+
+
+@dataclass(slots=True)
+class ChatTemplateOptions:
+    """How a conversation is rendered beyond add_generation_prompt (vLLM's request fields)."""
+    continue_final_message: bool = False   # the last (assistant) message is left open: a prefill
+    chat_template: str | None = None       # a Jinja template instead of the tokenizer's own
+    kwargs: dict[str, Any] = field(default_factory=dict)   # extra template variables
+    tools: list[dict] | None = None        # OpenAI tool objects (tokenizer_service/tool_prompt.py)
+
+    def validate(self, add_generation_prompt: bool, messages: list[dict]) -> None:
+        if not isinstance(self.continue_final_message, bool):
+            raise ValueError("continue_final_message must be a boolean")
+        if self.continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and messages and messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError("chat_template must be a string")
+        if not isinstance(self.kwargs, dict) or not all(isinstance(k, str) for k in self.kwargs):
+            raise ValueError("chat_template_kwargs must be an object")
+        reserved = sorted(set(self.kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        if self.tools is not None and (not isinstance(self.tools, list)
+                                       or not all(isinstance(t, dict) for t in self.tools)):
+            raise ValueError("tools must be a list of objects")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"continue_final_message": self.continue_final_message, "chat_template": self.chat_template,
+             "chat_template_kwargs": self.kwargs}
+        if self.tools:
+            d["tools"] = self.tools
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ChatTemplateOptions":
+        return cls(d.get("continue_final_message") or False, d.get("chat_template"),
+                   d.get("chat_template_kwargs") or {}, d.get("tools"))
 
 
 def validate_token_ids(ids: Any, name: str = "token_ids") -> list[int]:
@@ -116,40 +164,45 @@ class ChatTokenizer:
         return cls(AutoTokenizer.from_pretrained(str(model_dir), **kwargs), model_dir)
 
     # ------------------------------------------------------------------ basic operations
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; no special tokens are added (special-token text is still parsed)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens (BOS...) are added only when asked (special-token
+        text is parsed either way)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids` with special tokens skipped."""
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`, special tokens skipped unless told otherwise."""
         try:
-            return self.hf.decode(list(ids), skip_special_tokens=True)
+            return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
         except (OverflowError, TypeError) as e:
             raise ValueError(f"cannot decode token ids: {e}") from None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
-        """The prompt text the chat template gives for `messages` (and `tools`: OpenAI tool objects)."""
+                    options: ChatTemplateOptions | None = None) -> str:
+        """The prompt text the chat template gives for `messages` (with options.tools: a template
+        that renders no tools gets them as a Hermes system prompt instead)."""
         msgs = validate_messages(messages)
         if not isinstance(add_generation_prompt, bool):
             raise ValueError("add_generation_prompt must be a boolean")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise ValueError("tools must be a list of objects")
-        uses_tools = bool(tools) or any(m.get("tool_calls") for m in msgs)
-        template_kw = {}
-        if uses_tools and template_handles_tools(getattr(self.hf, "chat_template", None)):
-            template_kw = {"tools": tools} if tools else {}
-        elif uses_tools:
-            msgs = hermes_messages(msgs, tools)
+        options = options or ChatTemplateOptions()
+        options.validate(add_generation_prompt, msgs)
+        tools = options.tools
+        template_kw = dict(options.kwargs)
+        if tools or any(m.get("tool_calls") for m in msgs):
+            if template_handles_tools(options.chat_template or getattr(self.hf, "chat_template", None)):
+                if tools:
+                    template_kw["tools"] = tools
+            else:
+                msgs = hermes_messages(msgs, tools)
         try:
             from jinja2 import TemplateError
         except ImportError:   # jinja2 comes with transformers' chat templates
             TemplateError = Exception  # type: ignore[misc,assignment]
         try:
             text = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                               **template_kw)
+                                               continue_final_message=options.continue_final_message,
+                                               chat_template=options.chat_template, **template_kw)
         except TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from None
         if not isinstance(text, str):   # defensive: some versions wrap single results in a list
@@ -157,25 +210,49 @@ class ChatTokenizer:
         return text
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                    options: ChatTemplateOptions | None = None) -> tuple[str, list[int]]:
         """(prompt text, prompt token ids) for `messages`."""
-        text = self.render_chat(messages, add_generation_prompt, tools)
+        text = self.render_chat(messages, add_generation_prompt, options)
         return text, self.encode(text)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            options: ChatTemplateOptions | None = None) -> list[int]:
         """Prompt token ids for `messages` (the template's text, encoded without added specials)."""
-        return self.chat_prompt(messages, add_generation_prompt, tools)[1]
+        return self.chat_prompt(messages, add_generation_prompt, options)[1]
 
-    def detokenizer(self, prompt_ids: Sequence[int] | None = None) -> "Detokenizer":
-        return Detokenizer(self, self._prompt_context(prompt_ids) if prompt_ids else [])
+    def detokenizer(self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True) -> "Detokenizer":
+        return Detokenizer(self, self._prompt_context(prompt_ids) if prompt_ids else [], skip_special_tokens)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        """The text of each token alone (special tokens give ""): one batched call."""
+        """The text of each token alone, special tokens as their text (logprobs): one batched call.
+        A token that is only part of a UTF-8 character is written as OpenAI does, "bytes:\\xe2\\x80"."""
         try:
-            return self.backend.decode_batch([[i] for i in ids], skip_special_tokens=True)
+            texts = self.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
         except (OverflowError, TypeError, ValueError) as e:
             raise ValueError(f"cannot decode token ids: {e}") from None
+        return [t if REPLACEMENT_CHAR not in t else self._bytes_string(i, t) for i, t in zip(ids, texts)]
+
+    def _bytes_string(self, token_id: int, text: str) -> str:
+        raw = self.token_bytes(token_id)
+        if raw is None:
+            return text
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token stands for, where its vocabulary entry says (byte-level BPE, or a
+        SentencePiece byte-fallback "<0xNN>"); None when it cannot tell."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        table = _byte_decoder()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return None
 
     def _prompt_context(self, prompt_ids: Sequence[int]) -> list[int]:
         """The last few (non-special) prompt tokens, or [] when they end inside a character."""
@@ -191,6 +268,20 @@ class ChatTokenizer:
         return tail
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE's character -> byte table."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
 class Detokenizer:
     """Streaming text of one generated sequence (not thread-safe; one per request).
 
@@ -199,11 +290,12 @@ class Detokenizer:
     release their text.
     """
 
-    __slots__ = ("_tok", "_stream", "_context", "_pending", "_pieces", "num_tokens", "finished")
+    __slots__ = ("_tok", "_stream", "_context", "_pending", "_pieces", "num_tokens", "finished", "_skip")
 
-    def __init__(self, tokenizer: ChatTokenizer, context: list[int]):
+    def __init__(self, tokenizer: ChatTokenizer, context: list[int], skip_special_tokens: bool = True):
         self._tok = tokenizer
-        self._stream = DecodeStream(ids=context or None, skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
         self._context: list[int] = list(context)
         self._pending: list[int] = []
         self._pieces: list[str] = []
@@ -237,7 +329,8 @@ class Detokenizer:
         self.finished = True
         if not self._pending:
             return ""
-        decode = self._tok.decode
+        def decode(ids):
+            return self._tok.decode(ids, self._skip)
         base, full = decode(self._context), decode(self._context + self._pending)
         text = full[len(base):] if full.startswith(base) else decode(self._pending)
         self._pending = []
