@@ -29,7 +29,8 @@ class Sequence:
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None    # seeded requests; re-seeded per position (sampler)
+    num_generated: int = 0               # a continuation: prompt tokens that were this request's output
     # Engine-clock event times (time.time()); other processes' clocks are not comparable.
     queued_time: float = field(default_factory=time.time)
     scheduled_time: float = 0.0
@@ -46,7 +47,13 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """Every token this request generated, a continuation's earlier ones included (penalties)."""
+        return self.token_ids[self.num_prompt_tokens - self.num_generated:]
+
+    @property
+    def output_position(self) -> int:
+        """The index, in the request's whole output, of the next token to sample."""
+        return self.num_generated + self.num_output_tokens
 
     @property
     def is_finished(self) -> bool:

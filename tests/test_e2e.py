@@ -34,8 +34,8 @@ CHAT = [{"role": "user", "content": "How are you today?"}]
 
 # ---------------------------------------------------------------------- helpers
 def e2e_worker(url, model_dir, engine_id, **kw) -> WorkerThread:
-    """A worker that gateways give up on quickly (heartbeat TTL 1.5 s) and that drains briefly."""
-    return WorkerThread(url, model_dir, engine_id, **({"heartbeat_ttl": 1.5, "drain_timeout": 2.0} | kw))
+    """A worker that gateways give up on quickly (heartbeat TTL 1.5 s)."""
+    return WorkerThread(url, model_dir, engine_id, **({"heartbeat_ttl": 1.5} | kw))
 
 
 def openai_client(srv):

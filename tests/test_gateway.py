@@ -593,7 +593,8 @@ def test_admission_control(own_redis, tiny_model_dir):
 def test_engine_lost_mid_request(own_redis, tiny_model_dir):
     eng = FakeEngine(own_redis.url, engine_id="fake-dies", model=tiny_model_dir.name,
                      script=lambda req: [{"token_ids": [50]}, {"stop_heartbeat": True}, {"hang": True}]).start()
-    srv = start_gateway(own_redis.url, tiny_model_dir, engine_timeout=1.0)
+    # No failover (test_failover.py has it): the client gets engine_lost once the engine is silent.
+    srv = start_gateway(own_redis.url, tiny_model_dir, engine_timeout=1.0, max_failovers=0, failover_timeout=1.0)
     try:
         with httpx.Client(base_url=srv.url, trust_env=False, timeout=20) as c:
             t0 = time.monotonic()
