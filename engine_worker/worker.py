@@ -222,13 +222,13 @@ class EngineWorker:
                 if held.entry_id != entry.entry_id:
                     self._reject(entry, RejectedEntry(f"duplicate request_id {rid!r} already in progress"))
                 return
-            if rid in self.recent_aborts:
-                pub.done(entry.entry_id)
-                pub.terminal(msg.reply_to, rid, "abort")
-                return
             if not self.accepting or entry.taken_over:
                 self._hand_back(entry.entry_id, msg.reply_to, rid, HANDOFF_REASON.get(entry.source, "engine_lost")
                                 if self.accepting else "shutdown")
+                return
+            if rid in self.recent_aborts:
+                pub.done(entry.entry_id)
+                pub.terminal(msg.reply_to, rid, "abort")
                 return
             if msg.deadline is not None and time.time() > msg.deadline:
                 pub.done(entry.entry_id)
@@ -256,9 +256,11 @@ class EngineWorker:
             self._reject(entry, RejectedEntry(f"could not be handled: {type(e).__name__}: {e}", rid, reply_to))
 
     def _hand_back(self, entry_id: bytes, reply_to: str, rid: str, reason: str) -> None:
-        """Not ours to run: delete the entry and tell the gateway to move the request."""
+        """Not ours to run: delete the entry and tell the gateway to move the request, unless it
+        was aborted (the client left, or the gateway moved it already and aborted this id)."""
         self.publisher.done(entry_id)
-        self.publisher.handoff(reply_to, rid, reason)
+        if rid not in self.recent_aborts:
+            self.publisher.handoff(reply_to, rid, reason)
         self.counters.add("handed_back")
 
     def _reject(self, entry: StreamEntry, e: RejectedEntry) -> None:
