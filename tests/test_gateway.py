@@ -743,3 +743,47 @@ def test_stop_checker_random_splits():
         expected = text[:min(ends)[0] + min(ends)[1]] if ends else text
         assert out == expected, (text, stops, pieces, out)
         assert stopped == bool(ends)
+
+
+def test_failover_continues_then_gives_up_after_max_failovers(own_redis, tiny_model_dir):
+    """An engine that goes silent after one token, every time: the request moves as a continuation
+    (prompt + delivered tokens, max_tokens reduced, seq continued) twice, then the client gets
+    engine_lost. Once a working engine is back, the gateway serves again."""
+    eng = FakeEngine(own_redis.url, engine_id="fake-flaky", model=tiny_model_dir.name,
+                     script=lambda req: [{"token_ids": [60 + req.num_generated]}, {"stop_heartbeat": True},
+                                         {"hang": True}]).start()
+    srv = start_gateway(own_redis.url, tiny_model_dir, engine_timeout=5.0, failover_timeout=0.5, max_failovers=2)
+    try:
+        with httpx.Client(base_url=srv.url, trust_env=False, timeout=30) as c:
+            status, events = post_stream(c, "/v1/completions", {"prompt": "x", "max_tokens": 5, "stream": True})
+            err = events[-2]["error"]
+            assert events[-1] == "[DONE]" and err["code"] == "engine_lost" and "max_failovers=2" in err["message"]
+            tok = srv.gw.text_tokenizer
+            assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tok.decode([60, 61, 62])
+            first, *moves = sorted(eng.requests.values(), key=lambda fr: fr.req.request_id)
+            rid, prompt = first.req.request_id, first.req.prompt_token_ids
+            assert [m.req.request_id for m in moves] == [f"{rid}~1", f"{rid}~2"]
+            for n, m in enumerate(moves, 1):
+                assert m.req.prompt_token_ids == prompt + [60 + k for k in range(n)]
+                assert (m.req.num_generated, m.req.first_seq, m.req.params["max_tokens"]) == (n, n, 5 - n)
+                assert m.req.deadline == first.req.deadline
+            wait_until(lambda: set(eng.aborts) >= {rid, f"{rid}~1", f"{rid}~2"}, 5)
+            assert srv.gw.router.counters["failovers"] == 2
+            assert "kaiten:request_failovers_total" in c.get("/metrics").text
+        eng.stop()
+        with FakeEngine(own_redis.url, engine_id="fake-back", model=tiny_model_dir.name):
+            wait_until(lambda: srv.gw.monitor.is_alive("fake-back"), 5)
+            with httpx.Client(base_url=srv.url, trust_env=False, timeout=30) as c:
+                resp = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+                assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        srv.stop()
+        eng.stop()
+
+
+def test_failover_config_is_validated(tiny_model_dir):
+    from gateway.core import Gateway
+    from shared.config import GatewayConfig
+    for bad in ({"max_failovers": -1}, {"failover_timeout": 0.0}):
+        with pytest.raises(ValueError, match="max_failovers|failover_timeout"):
+            Gateway(GatewayConfig(model=str(tiny_model_dir), **bad))
