@@ -300,7 +300,7 @@ def _engine_process(url, model_dir, engine_id, *extra):
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_model_dir, reference):
+def test_sigkill_engine_its_streams_continue_and_the_other_serves_the_queue(tiny_model_dir, reference):
     server = RedisServer().start()
     r = redis.Redis.from_url(server.url)
     proc = _engine_process(server.url, tiny_model_dir, "victim", "--max-num-seqs", "2")
@@ -348,11 +348,11 @@ def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_m
         survivor.start()
         for t in threads + shorts:
             t.join(60)
-        for k in range(2):
+        for k in range(2):      # continued on the survivor (failover), unbroken
             evs = long_results[k]
-            assert evs[-1] == "[DONE]"
-            err = json.loads(evs[-2])
-            assert err["error"]["code"] == "engine_lost", (len(evs), evs[-3:])
+            assert evs[-1] == "[DONE]" and not any('"error"' in e for e in evs), evs[-3:]
+            assert json.loads(evs[-2])["choices"][0]["finish_reason"] == "length"
+        assert srv.gw.router.counters["failovers"] == 2
         for p in PROMPTS:
             resp = short_results[p]
             assert resp.status_code == 200, resp.text
