@@ -431,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 2)")
     p.add_argument("--max-failovers", dest="max_failovers", type=int, default=None,
                    help="moves per request before the client gets engine_lost (env KAITEN_MAX_FAILOVERS, default 2)")
+    p.add_argument("--redis-grace", dest="redis_grace", type=float, default=None,
+                   help="continue in-flight requests after a Redis restart this short, in seconds "
+                        "(env KAITEN_REDIS_GRACE, default 10)")
     p.add_argument("--redis-max-connections", dest="redis_max_connections", type=int, default=None,
                    help="the gateway's Redis command pool size (env KAITEN_REDIS_MAX_CONNECTIONS, default 16)")
     p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
@@ -441,7 +444,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     cfg = GatewayConfig.from_env()
     kw = {k: getattr(args, k) for k in ("host", "port", "model", "redis_url", "tokenizer_url", "served_model_name",
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
-                                         "engine_timeout", "failover_timeout", "max_failovers",
+                                         "engine_timeout", "failover_timeout", "max_failovers", "redis_grace",
                                          "redis_max_connections")}
     return cfg.with_overrides(**kw)
 

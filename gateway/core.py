@@ -65,9 +65,9 @@ def bounded_redis(url: str, max_connections: int, client_name: str, wait_s: floa
 
 class Gateway:
     def __init__(self, config: GatewayConfig, gateway_id: str | None = None, redis_client: Any = None):
-        if config.max_failovers < 0 or config.failover_timeout <= 0:
-            raise ValueError("max_failovers must be >= 0 and failover_timeout > 0, got "
-                             f"{config.max_failovers!r} and {config.failover_timeout!r}")
+        if config.max_failovers < 0 or config.failover_timeout <= 0 or config.redis_grace < 0:
+            raise ValueError("max_failovers and redis_grace must be >= 0 and failover_timeout > 0, got "
+                             f"{config.max_failovers!r}, {config.redis_grace!r} and {config.failover_timeout!r}")
         self.config = config
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:16]}"
         self.alive_key = names.gateway_alive_key(self.gateway_id)
@@ -115,8 +115,11 @@ class Gateway:
         self.router = ReplyRouter(self.sub_redis, self.gateway_id, self.monitor, self.config.engine_timeout,
                                   failover_timeout=self.config.failover_timeout)
         self.router.on_abort_needed = self.abort_soon
-        self.failover = Failover(self.redis, self.gateway_id, self.router, self.config.max_failovers, self.metrics)
+        self.failover = Failover(self.redis, self.gateway_id, self.router, self.config.max_failovers, self.metrics,
+                                 self.config.redis_grace)
         self.router.on_move = self.failover.move
+        if self.config.redis_grace > 0:          # else a lost reply channel fails what is in flight
+            self.router.on_suspend = self.failover.suspend
         self.router.processor = OutputProcessor(self.text_tokenizer, self.metrics, self.router.counters,
                                                 finish=lambda s: self.router.unregister(s.request_id),
                                                 fail=self.router.fail, abort=self.abort_soon)

@@ -9,7 +9,8 @@ puts text pieces on the requests' queues. A ``Handoff`` (an engine giving reques
 
 redis-py reconnects a broken pub/sub connection and re-subscribes by itself. Messages published
 meanwhile are lost, so when the subscribe confirmation arrives again (or the connection errors),
-every request in flight at that moment is failed with an error instead of waiting forever. A
+every request in flight at that moment goes to ``on_suspend`` (failover.py: continued once the
+channel is back within a grace period, else failed) instead of waiting forever. A
 watchdog moves requests whose engine stopped heartbeating (``on_move``), and fails requests
 waiting while no engine is alive and requests past their deadline.
 """
@@ -51,6 +52,8 @@ class ReplyRouter:
         self.processor: OutputProcessor | None = None                     # set by the gateway
         # (states, why, abort_old): continue these requests on another engine (set by the gateway)
         self.on_move: Callable[[list[RequestState], str, bool], None] | None = None
+        # (states, why): the reply channel is lost; continue them once it is back (set by the gateway)
+        self.on_suspend: Callable[[list[RequestState], str], None] | None = None
 
     # ------------------------------------------------------------------ registry
     def register(self, stream: RequestState) -> None:
@@ -109,11 +112,15 @@ class ReplyRouter:
     def _connection_lost(self, why: str) -> None:
         was = self.subscribed.is_set()
         self.subscribed.clear()
-        n = self.fail_all(lambda: GenerationError(
-            503, f"the gateway lost its reply channel ({why}); tokens may have been lost",
-            code="reply_channel_lost"))
-        if was or n:
-            log.warning("reply channel %s: %s; failed %d in-flight requests", self.channel, why, n)
+        states = [s for s in self.streams.values() if not s.done]
+        if self.on_suspend is not None:
+            self.on_suspend(states, f"the gateway lost its reply channel ({why})")
+        else:
+            self.fail_all(lambda: GenerationError(
+                503, f"the gateway lost its reply channel ({why}); tokens may have been lost",
+                code="reply_channel_lost"))
+        if was:
+            log.warning("reply channel %s: %s; %d requests in flight", self.channel, why, len(states))
 
     async def run(self) -> None:
         """The reader task: (re)subscribe, then route messages until cancelled."""

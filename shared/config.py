@@ -135,6 +135,8 @@ class GatewayConfig(_EnvConfig):
     failover_timeout: float = 2.0        # a request's engine silent this long -> move the request
                                          # to another engine (at least 2.5 heartbeat intervals)
     max_failovers: int = 2               # moves per request; then the client gets engine_lost
+    redis_grace: float = 10.0            # reply channel lost (a Redis restart): continue the requests
+                                         # in flight if it is back within this long, else fail them
     redis_max_connections: int = 16      # the gateway's command pool (pub/sub has its own); a full
                                          # pool makes commands wait for a connection, not open more
     ENV_NAMES = {"redis_url": "REDIS_URL", "tokenizer_url": "TOKENIZER_URL", "api_keys": "KAITEN_API_KEYS"}

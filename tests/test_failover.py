@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from shared import names, protocol
-from tests.engine_support import wait_until
+from tests.engine_support import WorkerThread, slow_steps, wait_until
 from tests.redis_server import RedisServer
 from tests.test_gateway_support import start_gateway
 
@@ -338,3 +338,36 @@ def test_sigterm_under_load_hands_off_and_exits_within_5s(tiny_model_dir, tmp_pa
               f"p50 {waits[len(waits) // 2]:.2f} s, max {waits[-1]:.2f} s")
         assert exit_s < 5.0
         assert not st.r.exists(names.heartbeat_key(victim))
+
+
+def test_redis_restart_8_streams_complete_unchanged(tiny_model_dir, reference):
+    """Redis restarts empty under 8 streams: the gateway resubmits them as continuations once its
+    reply channel is back; the engine (in-process: it lives through the restart) drops the
+    orphaned originals on their aborts, so none runs to its end twice."""
+    server = RedisServer().start()
+    w = WorkerThread(server.url, tiny_model_dir, "e-restart", heartbeat_ttl=1.0).start()
+    slow_steps(w.engine, STEP_S)
+    srv = start_gateway(server.url, tiny_model_dir, engine_timeout=5.0)
+    try:
+        wait_until(lambda: srv.gw.monitor.live_engines(), 10)
+        out: dict = {}
+        clients = run_sse_clients(srv.url, PROMPTS[:8], out)
+        wait_until(lambda: len(srv.gw.router.streams) == 8
+                   and min(len(s.token_ids) for s in srv.gw.router.streams.values()) >= 10, 60, 0.01,
+                   "8 streams with 10 tokens each")
+        server.restart_empty()
+        clients.join(120)
+        assert not clients.is_alive()
+        for i, res in enumerate(out["results"]):
+            assert not isinstance(res, BaseException), (i, res)
+            assert res["done"] and not res["errors"] and res["finish"] == "length", (i, res["errors"])
+            assert res["text"] == reference["texts"][i], i
+            assert res["usage"]["completion_tokens"] == N_TOKENS
+        assert srv.gw.router.counters["failovers"] == 8
+        # The 8 originals were aborted (not finished), and only the continuations ran to the end.
+        wait_until(lambda: w.counters["aborts"] >= 8 and not w.engine.has_unfinished(), 10)
+        assert w.counters["requests"] == 16 and w.counters["continuations"] == 8
+    finally:
+        srv.stop()
+        w.stop()
+        server.stop()

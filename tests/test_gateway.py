@@ -639,14 +639,17 @@ def test_deadline(own_redis, tiny_model_dir):
         eng.stop()
 
 
-def test_lost_subscription_fails_in_flight_requests(own_redis, tiny_model_dir):
+@pytest.mark.parametrize("grace", [10.0, 0.0])
+def test_lost_subscription_continues_or_fails_in_flight_requests(own_redis, tiny_model_dir, grace):
     """redis-py silently reconnects and re-subscribes a killed pub/sub connection: the gateway
-    notices, fails what was in flight, and serves new requests."""
+    notices and continues what was in flight as continuations (tokens published meanwhile may be
+    lost), or with redis_grace 0 fails it; either way it serves new requests."""
     r = redis.Redis.from_url(own_redis.url)
     eng = FakeEngine(own_redis.url, engine_id="fake-resub", model=tiny_model_dir.name,
-                     script=lambda req: [{"token_ids": [50]}] + [{"sleep": 0.05}, {"token_ids": [51]}] * 100
+                     script=lambda req: [{"token_ids": [50]}] + [{"sleep": 0.05}, {"token_ids": [51]}] * 40
+                     + [{"token_ids": [52], "finish_reason": "length"}]
                      if req.params["max_tokens"] > 10 else eng.default_script(req)).start()
-    srv = start_gateway(own_redis.url, tiny_model_dir)
+    srv = start_gateway(own_redis.url, tiny_model_dir, redis_grace=grace)
     try:
         with httpx.Client(base_url=srv.url, trust_env=False, timeout=20) as c:
             with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True}) as resp:
@@ -655,8 +658,15 @@ def test_lost_subscription_fails_in_flight_requests(own_redis, tiny_model_dir):
                 r.client_kill_filter(_type="pubsub")
                 rest = [l for l in lines if l.startswith("data:")]
             assert rest[-1] == "data: [DONE]"
-            err = json.loads(rest[-2][5:])
-            assert err["error"]["code"] == "reply_channel_lost"
+            last = json.loads(rest[-2][5:])
+            if grace:
+                assert "error" not in last and last["choices"][0]["finish_reason"] == "length", rest[-3:]
+                rid = next(k for k in eng.requests if "~" not in k)
+                cont = eng.requests[f"{rid}~1"].req
+                assert cont.num_generated >= 1 and cont.params["max_tokens"] == 200 - cont.num_generated
+                wait_until(lambda: rid in eng.aborts, 5)        # the orphaned work is dropped
+            else:
+                assert last["error"]["code"] == "reply_channel_lost"
             wait_until(lambda: srv.gw.router.subscribed.is_set(), 5)
             assert srv.gw.router.counters["resubscribed"] >= 1
             resp = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
