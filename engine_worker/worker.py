@@ -223,8 +223,8 @@ class EngineWorker:
                     self._reject(entry, RejectedEntry(f"duplicate request_id {rid!r} already in progress"))
                 return
             if not self.accepting or entry.taken_over:
-                self._hand_back(entry.entry_id, msg.reply_to, rid, HANDOFF_REASON.get(entry.source, "engine_lost")
-                                if self.accepting else "shutdown")
+                reason = HANDOFF_REASON.get(entry.source, "engine_lost") if self.accepting else "shutdown"
+                self._hand_back(entry.entry_id, msg.reply_to, rid, reason)
                 return
             if rid in self.recent_aborts:
                 pub.done(entry.entry_id)
