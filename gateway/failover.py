@@ -130,7 +130,7 @@ class Failover:
     def _finish_length(self, s: RequestState) -> None:
         """Every token was delivered but not the finish (the engine died between): finish here."""
         out = s.stop.feed(s.detokenizer.finish())[0] + s.stop.flush()
-        s.engine_finished, s.finish_reason = True, "length"
+        s.engine_finished, s.finish_reason, s.finished_at = True, "length", time.monotonic()
         self.router.unregister(s.request_id)
         s.queue.put_nowait(Piece(s.index, out, [], None, "length"))
 
