@@ -16,6 +16,11 @@ class StreamEntry:
     deliveries: int
     source: str                  # "new", "pending" (own, re-read), "claimed from X", "orphan"
 
+    @property
+    def taken_over(self) -> bool:
+        """Read by a consumer that died (another, or an earlier process of this one)."""
+        return self.source == "pending" or self.source.startswith("claimed")
+
 
 @dataclass(slots=True)
 class Stop:

@@ -87,16 +87,21 @@ class LLMEngine:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     # ---- admission ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    num_generated: int = 0) -> None:
         """Queue a request for the next step. Raises ValueError, leaving the engine untouched, for
-        invalid input."""
+        invalid input. A continuation (failover) names how many of the prompt's last tokens it
+        generated before: penalties count them as output, and the seeded generator's position
+        goes on from them."""
         params.validate()
         self._validate_prompt(prompt_token_ids, params)
+        if not 0 <= num_generated < len(prompt_token_ids):
+            raise ValueError(f"num_generated must be in [0, {len(prompt_token_ids)}), got {num_generated!r}")
         if self.scheduler.find(request_id) is not None or self.structured.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already running")
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, num_generated=num_generated)
         if params.seed is not None:
-            seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+            seq.generator = torch.Generator(self.runner.device)
         if params.structured_output is not None:
             self.structured.submit(seq)       # to the scheduler once its grammar is compiled
         else:

@@ -5,9 +5,10 @@ The order is vLLM's: logit_bias and min_tokens, then penalties, then temperature
 top-k/top-p. Logprobs are those of the model's raw distribution. Every per-request tensor is built
 on the logits' device; a processing stage that no request of the batch uses costs nothing.
 
-A seeded request draws its noise from its own generator, one draw per sampled token, so its tokens
-are the same whatever batch it runs in. Sampling uses the exponential race: argmax(p / E) with
-E ~ Exp(1) draws from p.
+A seeded request draws its noise from its own generator, seeded for each token from (seed, the
+token's position in the output) by ``position_seed``, so its tokens are the same whatever batch it
+runs in, and a continuation on another engine (failover) draws what the first engine would have.
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
 """
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_()
         for row, seq in enumerate(seqs):
             if seq.generator is not None:
+                seq.generator.manual_seed(position_seed(seq.params.seed, seq.output_position))
                 noise[row].exponential_(generator=seq.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
@@ -144,6 +146,16 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at `position` (0-based) of a seeded request's output:
+    splitmix64 of the seed advanced `position + 1` steps, as a non-negative 63-bit int."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

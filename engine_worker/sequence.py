@@ -32,7 +32,8 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | None = None       # the stop token id that finished it (EOS and length: None)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None    # seeded requests; re-seeded per position (sampler)
+    num_generated: int = 0               # a continuation: prompt tokens that were this request's output
     grammar: Any = None                  # xgrammar.GrammarMatcher of a structured-output request
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # of prompt tokens 1, 2, ...
     # Engine-clock event times (time.time()); other processes' clocks are not comparable.
@@ -51,7 +52,13 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """Every token this request generated, a continuation's earlier ones included (penalties)."""
+        return self.token_ids[self.num_prompt_tokens - self.num_generated:]
+
+    @property
+    def output_position(self) -> int:
+        """The index, in the request's whole output, of the next token to sample."""
+        return self.num_generated + self.num_output_tokens
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -96,7 +96,7 @@ class RequestReader(_Reader):
     def __init__(self, client, inbox, cfg, counters):
         super().__init__(client, inbox, cfg, counters)
         self.engine_id = ""
-        self.accepting = True              # False while draining: read nothing more
+        self.accepting = True              # False once stopping: read nothing more
 
     def prepare(self, engine_id: str) -> None:
         """Create the group and hand the inbox this consumer's pending entries (then start_thread)."""

@@ -121,7 +121,12 @@ class StructuredOutput:
                 failed.append((p.seq, _compile_error(p.seq.params.structured_output, e)))
                 continue
             import xgrammar
-            p.seq.grammar = xgrammar.GrammarMatcher(compiled)
+            matcher = xgrammar.GrammarMatcher(compiled)
+            # A continuation (failover) carries its earlier output in the prompt: the grammar goes on from it.
+            if not all(matcher.accept_token(t) for t in p.seq.output_token_ids):
+                failed.append((p.seq, "the grammar rejects the output this continuation carries"))
+                continue
+            p.seq.grammar = matcher
             ready.append(p.seq)
         return ready, failed
 

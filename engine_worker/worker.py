@@ -18,6 +18,13 @@ The loop (``EngineWorker.run``)::
 Around it, each thread with its own Redis connection (none ever waits for a step):
 ``stream_reader`` (new requests, aborts), ``heartbeat``, ``janitor`` (dead consumers' entries),
 ``orphan_watch`` (dead gateways, deadlines). A request read during step k is admitted in step k+1.
+
+Failover (see gateway/failover.py): the gateway alone resubmits a request whose engine is gone, so
+this loop never runs an entry that another consumer read -- one a janitor claimed from a dead
+engine, or one an earlier process of this consumer name left pending. It ACKs and deletes such an
+entry and sends its gateway a ``Handoff`` (counted as ``handed_back``). On SIGTERM the loop stops
+reading, hands every request it holds to its gateway the same way (after the tokens already
+computed) and exits: the gateways move them to the other engines.
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ log = logging.getLogger("kaiten.worker")
 LOG_INTERVAL = 60.0
 RECENT_ABORTS_MAX = 20_000
 STOP_ERRORS = {"deadline": "the request's deadline passed"}
+HANDOFF_REASON = {"pending": "restarted"}     # by entry source; a claimed entry's is "engine_lost"
 
 
 class EngineWorker:
@@ -87,7 +95,6 @@ class EngineWorker:
         self._queued = Outgoing()               # encoded, waiting for the round in flight
         self._stop_errors: dict[str, str] = {}  # request id -> error text of a deadline abort
         self._stop = threading.Event()
-        self._drain_deadline: float | None = None
         self.accepting = True
         self.started = threading.Event()
         self.exited = threading.Event()
@@ -102,27 +109,21 @@ class EngineWorker:
         e = self.engine
         return {"model": e.model_name, "max_model_len": int(e.max_model_len),
                 "vocab_size": int(getattr(e, "vocab_size", 0)),
-                "dtype": self.engine_config.dtype, "device": self.engine_config.device}
+                "dtype": self.engine_config.dtype, "device": self.engine_config.device,
+                "heartbeat_interval": self.cfg.heartbeat_interval}
 
     # ------------------------------------------------------------------ control
-    def stop(self, drain: bool = True) -> None:
-        """Stop taking requests; finish in-flight ones for up to drain_timeout (if drain), then exit."""
-        if drain and self._drain_deadline is None and not self._stop.is_set():
-            self._drain_deadline = time.monotonic() + self.cfg.drain_timeout
-            self.accepting = self.requests.accepting = False
-            log.info("draining: no new requests; %d in flight (up to %.0f s)", len(self.held), self.cfg.drain_timeout)
-        else:
-            self._stop.set()
+    def stop(self) -> None:
+        """Stop reading; after the current step, hand every request held to its gateway and exit."""
+        self.accepting = self.requests.accepting = False
+        self._stop.set()
         self.inbox.wake.set()
 
     def install_signal_handlers(self) -> None:
         def handler(signum, frame):
-            if self._drain_deadline is None:
-                log.info("%s: finishing in-flight requests (again to stop at once)", signal.Signals(signum).name)
-                self.stop(drain=True)
-            else:
-                log.info("%s again: stopping now", signal.Signals(signum).name)
-                self.stop(drain=False)
+            log.info("%s: handing %d requests to their gateways, then stopping", signal.Signals(signum).name,
+                     len(self.held))
+            self.stop()
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
@@ -179,8 +180,6 @@ class EngineWorker:
                 self.inbox.set_capacity(engine.free_capacity() if self.accepting else 0)
                 self.heartbeat.update(self._live_stats())
                 self._flush()
-                if self._drain_deadline is not None and self._drained():
-                    break
                 if not engine.has_unfinished():
                     self.inbox.wait(0.01 if self._has_outgoing() else 0.1)
                 if time.monotonic() - last_log > LOG_INTERVAL:
@@ -190,18 +189,11 @@ class EngineWorker:
             self._shutdown()
         return 0
 
-    def _drained(self) -> bool:
-        if len(self.held) == 0 and not self._has_outgoing():
-            return True
-        if time.monotonic() > self._drain_deadline:
-            log.warning("drain timeout: %d requests still in flight", len(self.held))
-            return True
-        return False
-
     def _live_stats(self) -> dict:
         st = dataclasses.asdict(self.engine.stats())
         st["capacity"] = int(self.engine.free_capacity()) if self.accepting else 0
         st["accepting"] = self.accepting
+        st["counters"] = self.counters.snapshot()
         return st
 
     # ------------------------------------------------------------------ arrivals
@@ -230,6 +222,10 @@ class EngineWorker:
                 if held.entry_id != entry.entry_id:
                     self._reject(entry, RejectedEntry(f"duplicate request_id {rid!r} already in progress"))
                 return
+            if not self.accepting or entry.taken_over:
+                reason = HANDOFF_REASON.get(entry.source, "engine_lost") if self.accepting else "shutdown"
+                self._hand_back(entry.entry_id, msg.reply_to, rid, reason)
+                return
             if rid in self.recent_aborts:
                 pub.done(entry.entry_id)
                 pub.terminal(msg.reply_to, rid, "abort")
@@ -239,16 +235,17 @@ class EngineWorker:
                 pub.terminal(msg.reply_to, rid, "error", "the request's deadline passed before an engine started it")
                 return
             try:
-                self.engine.add_request(rid, msg.prompt_token_ids, SamplingParams.from_dict(msg.params))
+                self.engine.add_request(rid, msg.prompt_token_ids, SamplingParams.from_dict(msg.params),
+                                        num_generated=msg.num_generated)
             except (ValueError, TypeError) as e:
                 pub.done(entry.entry_id)
                 pub.terminal(msg.reply_to, rid, "error", str(e))
                 return
             self.held.add(HeldRequest(rid, entry.entry_id, msg.reply_to, msg.deadline))
+            pub.admitted(msg.reply_to, rid, msg.first_seq)
             self.counters.add("requests")
-            if entry.source != "new":
-                log.info("took over request %s (entry %s, %s, delivery %d)", rid, entry.entry_id.decode(),
-                         entry.source, entry.deliveries)
+            if msg.num_generated:
+                self.counters.add("continuations")
         except RejectedEntry as e:
             self._reject(entry, e)
         except Exception as e:   # a bug or an input nobody foresaw must not stop the loop
@@ -257,6 +254,14 @@ class EngineWorker:
             if rid is not None and self.held.get(rid) is not None:
                 rid = reply_to = None        # already held: leave that request alone
             self._reject(entry, RejectedEntry(f"could not be handled: {type(e).__name__}: {e}", rid, reply_to))
+
+    def _hand_back(self, entry_id: bytes, reply_to: str, rid: str, reason: str) -> None:
+        """Not ours to run: delete the entry and tell the gateway to move the request, unless it
+        was aborted (the client left, or the gateway moved it already and aborted this id)."""
+        self.publisher.done(entry_id)
+        if rid not in self.recent_aborts:
+            self.publisher.handoff(reply_to, rid, reason)
+        self.counters.add("handed_back")
 
     def _reject(self, entry: StreamEntry, e: RejectedEntry) -> None:
         log.warning("dead-lettering entry %s: %s", entry.entry_id.decode(errors="replace"), e.reason)
@@ -327,14 +332,14 @@ class EngineWorker:
     def _shutdown(self) -> None:
         self.accepting = self.requests.accepting = False
         self.requests.stop()
-        # Requests that already streamed tokens end with an error; the rest stay pending in the
-        # stream for another engine (or this one, restarted) to take over from the start.
+        # Every request held, and every entry read but not admitted, goes back to its gateway,
+        # after the tokens computed so far (the publisher sends the Handoff after the batch).
         for h in self.held.all():
-            if self.publisher.started(h.request_id, h.reply_to):
-                self.engine.abort_request(h.request_id)
-                self.held.pop(h.request_id)
-                self.publisher.done(h.entry_id)
-                self.publisher.terminal(h.reply_to, h.request_id, "error", "the engine shut down")
+            self.engine.abort_request(h.request_id)
+            self.held.pop(h.request_id)
+            self._hand_back(h.entry_id, h.reply_to, h.request_id, "shutdown")
+        for entry in self.inbox.take().entries:
+            self._admit(entry)
         for _ in range(4):
             self._flush(wait=2.0)
             if not self._has_outgoing():

@@ -43,6 +43,10 @@ class Counters:
         with self._lock:
             self._n[name] = self._n.get(name, 0) + n
 
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._n)
+
     def __getitem__(self, name: str) -> int:
         return self._n.get(name, 0)
 

@@ -402,6 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-tokens", dest="max_queued_tokens", type=int, default=None)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=None)
     p.add_argument("--engine-timeout", dest="engine_timeout", type=float, default=None)
+    p.add_argument("--failover-timeout", dest="failover_timeout", type=float, default=None,
+                   help="move a request whose engine is silent this long, in seconds (env KAITEN_FAILOVER_TIMEOUT, "
+                        "default 2)")
+    p.add_argument("--max-failovers", dest="max_failovers", type=int, default=None,
+                   help="moves per request before the client gets engine_lost (env KAITEN_MAX_FAILOVERS, default 2)")
+    p.add_argument("--redis-grace", dest="redis_grace", type=float, default=None,
+                   help="continue in-flight requests after a Redis restart this short, in seconds "
+                        "(env KAITEN_REDIS_GRACE, default 10)")
     p.add_argument("--redis-max-connections", dest="redis_max_connections", type=int, default=None,
                    help="the gateway's Redis command pool size (env KAITEN_REDIS_MAX_CONNECTIONS, default 16)")
     p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
@@ -413,7 +421,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     kw = {k: getattr(args, k) for k in ("host", "port", "model", "redis_url", "tokenizer_url", "served_model_name",
                                          "chat_template",
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
-                                         "engine_timeout", "redis_max_connections")}
+                                         "engine_timeout", "failover_timeout", "max_failovers", "redis_grace",
+                                         "redis_max_connections")}
     return cfg.with_overrides(**kw)
 
 

@@ -22,6 +22,7 @@ from shared.protocol import Abort, GenerateRequest, encode
 
 from .engines import EngineMonitor
 from .errors import APIError
+from .failover import Failover
 from .generation import SubGeneration, SubRequest
 from .metrics import GatewayMetrics
 from .openai_api import ModelContext, ParsedRequest
@@ -76,6 +77,9 @@ def bounded_redis(url: str, max_connections: int, client_name: str, wait_s: floa
 
 class Gateway:
     def __init__(self, config: GatewayConfig, gateway_id: str | None = None, redis_client: Any = None):
+        if config.max_failovers < 0 or config.failover_timeout <= 0 or config.redis_grace < 0:
+            raise ValueError("max_failovers and redis_grace must be >= 0 and failover_timeout > 0, got "
+                             f"{config.max_failovers!r}, {config.redis_grace!r} and {config.failover_timeout!r}")
         self.config = config
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:16]}"
         self.alive_key = names.gateway_alive_key(self.gateway_id)
@@ -100,6 +104,7 @@ class Gateway:
         self.sub_redis = None
         self.monitor: EngineMonitor | None = None
         self.router: ReplyRouter | None = None
+        self.failover: Failover | None = None
         self._tasks: list[asyncio.Task] = []
         self._bg: set[asyncio.Task] = set()
         self.started_at = time.time()
@@ -120,8 +125,14 @@ class Gateway:
                                             client_name=f"kaiten-gateway-sub-{self.gateway_id}")
         self.monitor = EngineMonitor(self.redis, self.config.engine_timeout)
         self.monitor.on_poll.append(lambda m: self.metrics.update_load(m.load()))
-        self.router = ReplyRouter(self.sub_redis, self.gateway_id, self.monitor, self.config.engine_timeout)
+        self.router = ReplyRouter(self.sub_redis, self.gateway_id, self.monitor, self.config.engine_timeout,
+                                  failover_timeout=self.config.failover_timeout)
         self.router.on_abort_needed = self.abort_soon
+        self.failover = Failover(self.redis, self.gateway_id, self.router, self.config.max_failovers, self.metrics,
+                                 self.config.redis_grace)
+        self.router.on_move = self.failover.move
+        if self.config.redis_grace > 0:          # else a lost reply channel fails what is in flight
+            self.router.on_suspend = self.failover.suspend
         self.router.processor = OutputProcessor(self.text_tokenizer, self.metrics, self.router.counters,
                                                 finish=lambda s: self.router.unregister(s.request_id),
                                                 fail=self.router.fail, abort=self.abort_soon)
@@ -143,6 +154,8 @@ class Gateway:
         if self.router is not None:
             from .errors import GenerationError
             self.router.fail_all(lambda: GenerationError(503, "the gateway is shutting down", code="shutdown"))
+        if self.failover is not None:
+            await self.failover.wait_idle(2.0)
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=2.0)
         for t in self._tasks:
@@ -268,7 +281,8 @@ class Gateway:
                                      self.text_tokenizer.detokenizer(ids, opts.skip_special_tokens),
                                      StopChecker(parsed.stop, opts.include_stop_str_in_output,
                                                  parsed.params.get("min_tokens", 0)),
-                                     want_logprobs=parsed.logprobs is not None, options=opts, submitted=now_m)
+                                     want_logprobs=parsed.logprobs is not None, options=opts, submitted=now_m,
+                                     params=sub.params, wall_deadline=now + timeout)
                 gens.append(SubGeneration(sub, state))
                 payloads.append(encode(GenerateRequest(rid, self.gateway_id, ids, sub.params, arrival_time=now,
                                                        deadline=now + timeout)))
@@ -298,10 +312,10 @@ class Gateway:
         """Done with these generations: forget them; abort those the engine may still be running."""
         ids = []
         for g in gens:
-            self.router.unregister(g.sub.request_id)
+            self.router.unregister(g.state.request_id)      # the engine-side id (a continuation's)
             if g.needs_abort:
                 g.state.abort_sent = True
-                ids.append(g.sub.request_id)
+                ids.append(g.state.request_id)
         if ids:
             self.abort_soon(ids)
         self.metrics.in_flight.set(len(self.router.streams))

@@ -62,12 +62,13 @@ class EngineMonitor:
             info = self.engines[engine_id] = EngineInfo(engine_id)
         info.last_alive = time.monotonic()
 
-    def is_alive(self, engine_id: str, now: float | None = None) -> bool:
+    def is_alive(self, engine_id: str, now: float | None = None, timeout: float | None = None) -> bool:
+        """A sign of life within `timeout` (default engine_timeout) seconds."""
         info = self.engines.get(engine_id)
         if info is None:
             return False
         now = time.monotonic() if now is None else now
-        return now - info.last_alive <= self.engine_timeout
+        return now - info.last_alive <= (self.engine_timeout if timeout is None else timeout)
 
     def live_engines(self, now: float | None = None) -> list[EngineInfo]:
         now = time.monotonic() if now is None else now

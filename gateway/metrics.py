@@ -36,6 +36,8 @@ class GatewayMetrics:
         self.in_flight = own(Gauge, "kaiten:gateway_requests_in_flight", "Engine requests this gateway waits on.")
         self.prompt_tokens = own(Counter, "kaiten:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = own(Counter, "kaiten:generation_tokens", "Generated tokens delivered.")
+        self.failovers = own(Counter, "kaiten:request_failovers",
+                             "Requests moved to another engine because theirs was lost or shut down.")
         self._success = Counter("kaiten:request_success", "Finished requests by finish reason.",
                                 lbl + ["finished_reason"], registry=r)
         self._errors = Counter("kaiten:request_errors", "Requests that ended with an error, by code.",

@@ -2,7 +2,8 @@
 
 Every request the gateway has in flight owns one ``RequestState``: its queue of pieces, the seq
 number it expects next, its detokenizer, its stop-string buffer, its tokens and timings. That one
-object is the request's whole output state (what a continuation on another engine would carry on).
+object is the request's whole output state: a continuation on another engine (failover.py) carries
+on with it, under a new engine-side ``request_id``.
 
 ``OutputProcessor.process`` handles one ``TokenBatch`` in ONE loop over its deltas: the seq
 check, incremental detokenizing (``DecodeStream``), the stop-string check (held-back text, a match
@@ -153,6 +154,12 @@ class RequestState:
     engine_finished: bool = False         # the engine sent its terminal delta
     abort_sent: bool = False
     done: bool = False                    # terminal piece or error delivered
+    # What a continuation needs (failover.py): the sampling params and the deadline sent, and how
+    # often the request was moved. `request_id` is then "<origin_id>~<failovers>".
+    params: dict = field(default_factory=dict)
+    wall_deadline: float | None = None    # unix seconds, as sent to the engines
+    origin_id: str = ""
+    failovers: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -172,7 +179,12 @@ class OutputProcessor:
         self._fail = fail                     # end a state with an error (and abort the engine)
         self._abort = abort
 
-    def process(self, engine_id: str, deltas: list[Delta], streams: dict[str, RequestState]) -> None:
+    def process(self, engine_id: str, deltas: list[Delta], streams: dict[str, RequestState],
+                admitted: list[str] = ()) -> None:
+        for rid in admitted:              # from now on the gateway knows who holds these
+            s = streams.get(rid)
+            if s is not None and s.engine_id is None:
+                s.engine_id = engine_id
         now = time.monotonic()
         strings = self._token_strings(deltas, streams)
         m = self.metrics
@@ -202,7 +214,8 @@ class OutputProcessor:
                 new_tokens += len(d.token_ids)
             if d.finish_reason is not None:
                 s.engine_finished = True
-                s.num_cached_tokens = int(d.num_cached_tokens or 0)
+                # A continuation's cache hits may cover its earlier output: report prompt tokens only.
+                s.num_cached_tokens = min(int(d.num_cached_tokens or 0), s.num_prompt_tokens)
                 if d.finish_reason in ("error", "abort"):
                     self._fail(s, _engine_error(d, s))
                     continue
@@ -250,8 +263,8 @@ class OutputProcessor:
         if s.engine_id is None:
             s.engine_id = engine_id
         elif engine_id and engine_id != s.engine_id:
-            # Another engine took the request over (a janitor claim): the first engine's replies
-            # are the ones in flight; the watchdog fails the request if that engine is lost.
+            # Not the engine that admitted it: engines never run another's claimed entries
+            # (failover.py), so this is a stray message; the request's own engine goes on.
             self.counters["foreign_engine"] += 1
             return False
         if d.seq < s.next_seq:

@@ -4,13 +4,15 @@ ONE pub/sub connection per gateway, subscribed to ``names.reply_channel(gateway_
 first request is XADDed. A single reader task decodes every ``TokenBatch`` and hands it to the
 output processor (output.py), which checks each delta's ``seq`` (a repeat is dropped: the engine
 re-sends messages it is not sure went out; a gap ends the request with an error), detokenizes and
-puts text pieces on the requests' queues.
+puts text pieces on the requests' queues. A ``Handoff`` (an engine giving requests back) goes to
+``on_move`` (failover.py).
 
 redis-py reconnects a broken pub/sub connection and re-subscribes by itself. Messages published
 meanwhile are lost, so when the subscribe confirmation arrives again (or the connection errors),
-every request in flight at that moment is failed with an error instead of waiting forever. A
-watchdog fails requests whose engine stopped heartbeating, requests waiting while no engine is
-alive, and requests past their deadline.
+every request in flight at that moment goes to ``on_suspend`` (failover.py: continued once the
+channel is back within a grace period, else failed) instead of waiting forever. A
+watchdog moves requests whose engine stopped heartbeating (``on_move``), and fails requests
+waiting while no engine is alive and requests past their deadline.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import time
 from typing import Any, Callable
 
 from shared import names
-from shared.protocol import ProtocolError, TokenBatch, decode
+from shared.protocol import Handoff, ProtocolError, TokenBatch, decode
 
 from .engines import EngineMonitor
 from .errors import GenerationError
@@ -31,22 +33,27 @@ log = logging.getLogger("kaiten.gateway")
 
 class ReplyRouter:
     def __init__(self, client, gateway_id: str, monitor: EngineMonitor, engine_timeout: float,
-                 subscribe_timeout: float = 5.0):
+                 subscribe_timeout: float = 5.0, failover_timeout: float = 2.0):
         self.r = client
         self.gateway_id = gateway_id
         self.channel = names.reply_channel(gateway_id)
         self.monitor = monitor
         self.engine_timeout = engine_timeout
+        self.failover_timeout = failover_timeout
         self.subscribe_timeout = subscribe_timeout
         self.streams: dict[str, RequestState] = {}
         self.subscribed = asyncio.Event()
         self.pubsub = None
         self.counters = {"messages": 0, "deltas": 0, "bad_messages": 0, "unknown_request": 0, "duplicates": 0,
                          "gaps": 0, "resubscribed": 0, "connection_errors": 0, "engine_lost": 0, "timeouts": 0,
-                         "foreign_engine": 0}
+                         "foreign_engine": 0, "failovers": 0, "handoffs": 0, "stale_handoffs": 0}
         self._confirmations = 0
         self.on_abort_needed: Callable[[list[str]], None] | None = None   # set by the gateway
         self.processor: OutputProcessor | None = None                     # set by the gateway
+        # (states, why, abort_old): continue these requests on another engine (set by the gateway)
+        self.on_move: Callable[[list[RequestState], str, bool], None] | None = None
+        # (states, why): the reply channel is lost; continue them once it is back (set by the gateway)
+        self.on_suspend: Callable[[list[RequestState], str], None] | None = None
 
     # ------------------------------------------------------------------ registry
     def register(self, stream: RequestState) -> None:
@@ -56,6 +63,14 @@ class ReplyRouter:
         s = self.streams.pop(request_id, None)
         if s is not None:
             s.done = True
+
+    def rekey(self, stream: RequestState, request_id: str) -> None:
+        """The request continues under a new engine-side id (failover): expect it from any engine."""
+        self.streams.pop(stream.request_id, None)
+        stream.origin_id = stream.origin_id or stream.request_id
+        stream.request_id, stream.engine_id = request_id, None
+        stream.engine_finished = stream.abort_sent = False
+        self.streams[request_id] = stream
 
     def fail(self, stream: RequestState, error: GenerationError, abort: bool = True) -> None:
         """End a request with an error; abort it on the engine unless that is known to be moot."""
@@ -97,11 +112,15 @@ class ReplyRouter:
     def _connection_lost(self, why: str) -> None:
         was = self.subscribed.is_set()
         self.subscribed.clear()
-        n = self.fail_all(lambda: GenerationError(
-            503, f"the gateway lost its reply channel ({why}); tokens may have been lost",
-            code="reply_channel_lost"))
-        if was or n:
-            log.warning("reply channel %s: %s; failed %d in-flight requests", self.channel, why, n)
+        states = [s for s in self.streams.values() if not s.done]
+        if self.on_suspend is not None:
+            self.on_suspend(states, f"the gateway lost its reply channel ({why})")
+        else:
+            self.fail_all(lambda: GenerationError(
+                503, f"the gateway lost its reply channel ({why}); tokens may have been lost",
+                code="reply_channel_lost"))
+        if was:
+            log.warning("reply channel %s: %s; %d requests in flight", self.channel, why, len(states))
 
     async def run(self) -> None:
         """The reader task: (re)subscribe, then route messages until cancelled."""
@@ -151,39 +170,63 @@ class ReplyRouter:
         self.counters["messages"] += 1
         try:
             msg = decode(data)
-            if not isinstance(msg, TokenBatch):
-                raise ProtocolError(f"expected a tokens message, got {msg.T!r}")
+            if not isinstance(msg, (TokenBatch, Handoff)):
+                raise ProtocolError(f"expected a tokens or handoff message, got {msg.T!r}")
         except ProtocolError as e:
             self.counters["bad_messages"] += 1
             log.warning("dropping a malformed message on %s: %s", self.channel, e)
             return
         engine_id = msg.engine_id if isinstance(msg.engine_id, str) else str(msg.engine_id)
+        if isinstance(msg, Handoff):
+            self._on_handoff(msg)
+            return
         if engine_id:
             self.monitor.touch(engine_id)
-        self.processor.process(engine_id, msg.deltas, self.streams)
+        self.processor.process(engine_id, msg.deltas, self.streams, msg.admitted)
+
+    def _on_handoff(self, msg: Handoff) -> None:
+        states = [s for rid in msg.request_ids if (s := self.streams.get(rid)) is not None and not s.done]
+        self.counters["handoffs"] += len(states)
+        self.counters["stale_handoffs"] += len(msg.request_ids) - len(states)   # moved already
+        why = {"shutdown": f"engine {msg.engine_id} is shutting down",
+               "restarted": f"engine {msg.engine_id} restarted",
+               "engine_lost": "the engine that took the request died"}.get(msg.reason, msg.reason)
+        if states:
+            self.on_move(states, why, False)
 
     # ------------------------------------------------------------------ watchdog
     def check(self, now: float | None = None) -> None:
-        """Fail requests past their deadline or whose engine is lost. Called periodically."""
+        """Fail requests past their deadline or waiting while no engine lives; move the requests
+        of an engine that stopped heartbeating. Called periodically."""
         now = time.monotonic() if now is None else now
         no_engine_since = None
         if not self.monitor.live_engines(now):
             no_engine_since = max(self.monitor.last_any_alive(), self.monitor.started)
+        lost: dict[str, list[RequestState]] = {}
         for s in list(self.streams.values()):
             if now > s.deadline:
                 self.counters["timeouts"] += 1
                 self.fail(s, GenerationError(504, "the request did not finish before its deadline",
                                              code="timeout"))
             elif s.engine_id is not None:
-                if not self.monitor.is_alive(s.engine_id, now):
-                    self.counters["engine_lost"] += 1
-                    self.fail(s, GenerationError(
-                        503, f"engine {s.engine_id} stopped responding while serving this request",
-                        code="engine_lost"))
+                if self._engine_lost(s.engine_id, now):
+                    lost.setdefault(s.engine_id, []).append(s)
             elif no_engine_since is not None and now - max(no_engine_since, s.submitted) > self.engine_timeout:
                 self.counters["engine_lost"] += 1
                 self.fail(s, GenerationError(503, "no engine is alive to serve this request",
                                              code="engine_lost"))
+        for engine_id, states in lost.items():
+            self.counters["engine_lost"] += len(states)
+            self.on_move(states, f"engine {engine_id} stopped responding while serving this request", True)
+
+    def _engine_lost(self, engine_id: str, now: float) -> bool:
+        """Silent for failover_timeout (or 2.5 of its heartbeat intervals, if longer), judged only
+        while the monitor reads Redis (an outage is not the engines' death)."""
+        if not self.monitor.redis_ok:
+            return False
+        info = self.monitor.engines.get(engine_id)
+        interval = float(info.get("heartbeat_interval", 0.0)) if info is not None else 0.0
+        return not self.monitor.is_alive(engine_id, now, max(self.failover_timeout, 2.5 * interval))
 
     async def watchdog(self, interval: float = 0.2) -> None:
         while True:

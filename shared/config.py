@@ -118,7 +118,6 @@ class WorkerConfig(_EnvConfig):
     idle_block_ms: int = 100             # XREADGROUP BLOCK while the engine is idle
     abort_lookback: float = 300.0        # at start, replay aborts this many seconds old
     redis_retry_max: float = 5.0         # cap of the reconnect backoff while Redis is down (s)
-    drain_timeout: float = 30.0          # on SIGTERM, finish in-flight requests this long (s)
     io_thread: bool = True               # run the per-step Redis round on a thread, overlapping the step
     orphan_check_interval: float = 0.25  # seconds between checks for dead gateways and deadlines
     loop_stall_timeout: float = 300.0    # withhold the heartbeat when the loop is stuck this long (s)
@@ -141,6 +140,11 @@ class GatewayConfig(_EnvConfig):
     max_n: int = 16
     request_timeout: float = 600.0       # server-side deadline per request (seconds)
     engine_timeout: float = 10.0         # no heartbeat from any engine this long -> error
+    failover_timeout: float = 2.0        # a request's engine silent this long -> move the request
+                                         # to another engine (at least 2.5 heartbeat intervals)
+    max_failovers: int = 2               # moves per request; then the client gets engine_lost
+    redis_grace: float = 10.0            # reply channel lost (a Redis restart): continue the requests
+                                         # in flight if it is back within this long, else fail them
     redis_max_connections: int = 16      # the gateway's command pool (pub/sub has its own); a full
                                          # pool makes commands wait for a connection, not open more
     ENV_NAMES = {"redis_url": "REDIS_URL", "tokenizer_url": "TOKENIZER_URL", "api_keys": "KAITEN_API_KEYS"}

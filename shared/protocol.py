@@ -4,14 +4,23 @@ Every message is a map with ``v`` (protocol version) and ``t`` (type). Types:
 
 - ``request``  gateway -> engines (stream ``kaiten:requests``)
 - ``abort``    gateway -> engines (stream ``kaiten:aborts``)
-- ``tokens``   engine -> one gateway (pub/sub): every delta that gateway's requests got in one step
-  (``engine_worker/publisher.py`` builds them from ``Delta`` and ``TokenBatch``; fields at their
-  default are left out on the wire and filled in by ``decode``).
-  A delta carries a per-request sequence number ``seq`` (0, 1, 2, ...). The last delta of a
-  request has ``finish_reason`` set; ``finish_reason == "error"`` comes with ``error`` text.
-  So "finish" and "error" are terminal deltas, numbered like any other, and a gap is visible.
-  ``finish_reason == "stop"`` means the request's last token is an EOS or one of its stop token ids
-  (``stop_reason`` names the latter); gateways do not show that token as text.
+- ``tokens``   engine -> one gateway (pub/sub): every delta that gateway's requests got in one step,
+  and the requests the engine admitted in that step (``admitted``: from then on the gateway knows
+  which engine holds them). ``engine_worker/publisher.py`` builds them from ``Delta`` and
+  ``TokenBatch``; fields at their default are left out on the wire and filled in by ``decode``.
+- ``handoff``  engine -> one gateway (pub/sub): "these requests of yours get no more tokens from me;
+  move them" (the engine is shutting down, or its janitor found them at a dead engine). The gateway
+  resubmits each as a continuation (``gateway/failover.py``).
+
+A delta carries a per-request sequence number ``seq`` (0, 1, 2, ...). The last delta of a request
+has ``finish_reason`` set; ``finish_reason == "error"`` comes with ``error`` text. So "finish" and
+"error" are terminal deltas, numbered like any other, and a gap is visible. ``finish_reason ==
+"stop"`` means the request's last token is an EOS or one of its stop token ids (``stop_reason``
+names the latter); gateways do not show that token as text.
+
+Versions: 1 had ``request``, ``abort`` and ``tokens``. 2 added the continuation fields of a request
+(``num_generated``, ``first_seq``), ``TokenBatch.admitted`` and ``handoff``. A decoder accepts
+both; a version-1 message simply has none of the new fields.
 """
 from __future__ import annotations
 
@@ -21,7 +30,9 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+HANDOFF_REASONS = ("shutdown", "engine_lost", "restarted")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -37,6 +48,10 @@ class GenerateRequest:
     params: dict[str, Any]              # SamplingParams fields (engine_worker.SamplingParams)
     arrival_time: float = 0.0           # gateway clock, informational only
     deadline: float | None = None       # gateway clock (unix seconds); engine may drop late work
+    # A continuation (failover): the last `num_generated` prompt tokens are this request's own
+    # output from an engine that was lost; its deltas are numbered from `first_seq`.
+    num_generated: int = 0
+    first_seq: int = 0
     T = "request"
 
 
@@ -77,10 +92,19 @@ class Delta:
 class TokenBatch:
     engine_id: str
     deltas: list[Delta]
+    admitted: list[str] = field(default_factory=list)   # request ids this engine took in this step
     T = "tokens"
 
 
-_TYPES: dict[str, type] = {c.T: c for c in (GenerateRequest, Abort, TokenBatch)}
+@dataclass(slots=True)
+class Handoff:
+    engine_id: str
+    request_ids: list[str]
+    reason: str                         # one of HANDOFF_REASONS
+    T = "handoff"
+
+
+_TYPES: dict[str, type] = {c.T: c for c in (GenerateRequest, Abort, TokenBatch, Handoff)}
 
 
 def _to_wire(obj: Any) -> Any:
@@ -88,17 +112,21 @@ def _to_wire(obj: Any) -> Any:
     fills it in, so messages stay small and old readers see the fields they always saw."""
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_wire(v) for f in dataclasses.fields(obj)
-                if (v := getattr(obj, f.name)) is not f.default and not _is_plain_default(v, f.default)}
+                if (v := getattr(obj, f.name)) is not f.default and not _is_plain_default(v, f)}
     if isinstance(obj, (list, tuple)):
         return [_to_wire(x) for x in obj]
     return obj
 
 
-def _is_plain_default(value: Any, default: Any) -> bool:
+def _is_plain_default(value: Any, f: dataclasses.Field) -> bool:
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     return default is not dataclasses.MISSING and type(value) is type(default) and value == default
 
 
-def encode(msg: GenerateRequest | Abort | TokenBatch) -> bytes:
+Message = GenerateRequest | Abort | TokenBatch | Handoff
+
+
+def encode(msg: Message) -> bytes:
     body = _to_wire(msg)
     body["v"] = PROTOCOL_VERSION
     body["t"] = msg.T
@@ -128,7 +156,15 @@ def _decode_request(body: dict) -> GenerateRequest:
     _check(isinstance(req.prompt_token_ids, list) and all(type(t) is int for t in req.prompt_token_ids),
            "request: prompt_token_ids must be a list of ints")
     _check(isinstance(req.params, dict), "request: params must be a map")
+    for name in ("num_generated", "first_seq"):
+        _check(type(getattr(req, name)) is int and getattr(req, name) >= 0, f"request: {name} must be an int >= 0")
+    _check(req.num_generated < max(1, len(req.prompt_token_ids)),
+           "request: num_generated must be smaller than the prompt")
     return req
+
+
+def _str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
 
 
 def _decode_tokens(body: dict) -> TokenBatch:
@@ -143,7 +179,9 @@ def _decode_tokens(body: dict) -> TokenBatch:
             delta.prompt_logprobs = [None if lp is None else _token_logprob(lp) for lp in delta.prompt_logprobs]
         deltas.append(delta)
     body["deltas"] = deltas
-    return _build(TokenBatch, body)
+    batch = _build(TokenBatch, body)
+    _check(_str_list(batch.admitted), "tokens: admitted must be a list of strings")
+    return batch
 
 
 def _token_logprob(body: Any) -> TokenLogprob:
@@ -153,7 +191,15 @@ def _token_logprob(body: Any) -> TokenLogprob:
     return lp
 
 
-def decode(data: bytes) -> GenerateRequest | Abort | TokenBatch:
+def _decode_handoff(body: dict) -> Handoff:
+    msg = _build(Handoff, body)
+    _check(isinstance(msg.engine_id, str), "handoff: engine_id must be a string")
+    _check(_str_list(msg.request_ids), "handoff: request_ids must be a list of strings")
+    _check(msg.reason in HANDOFF_REASONS, f"handoff: reason must be one of {HANDOFF_REASONS}")
+    return msg
+
+
+def decode(data: bytes) -> Message:
     """Decode and validate one message. Raises ProtocolError on anything malformed."""
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -161,13 +207,15 @@ def decode(data: bytes) -> GenerateRequest | Abort | TokenBatch:
         raise ProtocolError(f"not msgpack: {e}") from None
     _check(isinstance(body, dict), "message must be a map")
     version = body.pop("v", None)
-    _check(version == PROTOCOL_VERSION, f"unsupported protocol version {version!r}")
+    _check(version in SUPPORTED_VERSIONS, f"unsupported protocol version {version!r}")
     kind = body.pop("t", None)
     _check(kind in _TYPES, f"unknown message type {kind!r}")
     if kind == GenerateRequest.T:
         return _decode_request(body)
     if kind == TokenBatch.T:
         return _decode_tokens(body)
+    if kind == Handoff.T:
+        return _decode_handoff(body)
     abort = _build(Abort, body)
     _check(isinstance(abort.request_id, str), "abort: request_id must be a string")
     return abort

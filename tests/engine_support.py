@@ -19,8 +19,7 @@ def engine_config(model_dir, **kw) -> EngineConfig:
 def worker_config(url: str, engine_id: str, **kw) -> WorkerConfig:
     """Fast heartbeats and janitor, short Redis retries; override per test file or test."""
     base = dict(redis_url=url, engine_id=engine_id, heartbeat_interval=0.2, heartbeat_ttl=3.0,
-                janitor_interval=0.2, claim_idle_ms=300, idle_block_ms=20, redis_retry_max=0.5,
-                drain_timeout=5.0)
+                janitor_interval=0.2, claim_idle_ms=300, idle_block_ms=20, redis_retry_max=0.5)
     base.update(kw)
     return WorkerConfig(**base)
 
@@ -50,8 +49,8 @@ class WorkerThread:
         assert self.worker.started.wait(60), "worker did not start"
         return self
 
-    def stop(self, drain: bool = False) -> None:
-        self.worker.stop(drain=drain)
+    def stop(self) -> None:
+        self.worker.stop()
         self.thread.join(15)
         assert not self.thread.is_alive(), "worker thread did not stop"
         assert self.error is None, f"worker loop raised {self.error!r}"

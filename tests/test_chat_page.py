@@ -175,7 +175,7 @@ def stack(browser, tiny_model_dir, redis_server):
     engine = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "engine", "--model", str(tiny_model_dir),
          "--redis-url", redis_server.url, "--dtype", "float32", "--kv-cache-memory", "64MiB",
-         "--engine-id", "chat-page-test", "--heartbeat-interval", "0.25", "--drain-timeout", "1"],
+         "--engine-id", "chat-page-test", "--heartbeat-interval", "0.25"],
         cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
     gateway = GatewayThread(tiny_model_dir, redis_server.url, free_port())
     tap = StreamTap(redis_server.url)

@@ -34,8 +34,8 @@ CHAT = [{"role": "user", "content": "How are you today?"}]
 
 # ---------------------------------------------------------------------- helpers
 def e2e_worker(url, model_dir, engine_id, **kw) -> WorkerThread:
-    """A worker that gateways give up on quickly (heartbeat TTL 1.5 s) and that drains briefly."""
-    return WorkerThread(url, model_dir, engine_id, **({"heartbeat_ttl": 1.5, "drain_timeout": 2.0} | kw))
+    """A worker that gateways give up on quickly (heartbeat TTL 1.5 s)."""
+    return WorkerThread(url, model_dir, engine_id, **({"heartbeat_ttl": 1.5} | kw))
 
 
 def openai_client(srv):
@@ -300,7 +300,7 @@ def _engine_process(url, model_dir, engine_id, *extra):
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_model_dir, reference):
+def test_sigkill_engine_its_streams_continue_and_the_other_serves_the_queue(tiny_model_dir, reference):
     server = RedisServer().start()
     r = redis.Redis.from_url(server.url)
     proc = _engine_process(server.url, tiny_model_dir, "victim", "--max-num-seqs", "2")
@@ -348,11 +348,11 @@ def test_sigkill_engine_fails_its_requests_and_the_other_serves_the_queue(tiny_m
         survivor.start()
         for t in threads + shorts:
             t.join(60)
-        for k in range(2):
+        for k in range(2):      # continued on the survivor (failover), unbroken
             evs = long_results[k]
-            assert evs[-1] == "[DONE]"
-            err = json.loads(evs[-2])
-            assert err["error"]["code"] == "engine_lost", (len(evs), evs[-3:])
+            assert evs[-1] == "[DONE]" and not any('"error"' in e for e in evs), evs[-3:]
+            assert json.loads(evs[-2])["choices"][0]["finish_reason"] == "length"
+        assert srv.gw.router.counters["failovers"] == 2
         for p in PROMPTS:
             resp = short_results[p]
             assert resp.status_code == 200, resp.text
@@ -376,7 +376,8 @@ def test_redis_restart_empty_recovers_without_restarts(tiny_model_dir, reference
             wait_until(lambda: c.get("/ready").status_code == 200, 10)
             body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
             assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == reference["texts"][PROMPTS[0]]
-            # A stream in flight while Redis restarts ends with an error, not a hang.
+            # A stream in flight while Redis restarts goes on as a continuation (test_failover.py
+            # checks the texts), neither a hang nor an error.
             result = {}
 
             def long_stream():
@@ -390,7 +391,8 @@ def test_redis_restart_empty_recovers_without_restarts(tiny_model_dir, reference
             t.join(30)
             assert not t.is_alive()
             status, events = result["v"]
-            assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+            assert events[-1] == "[DONE]" and "error" not in events[-2], events[-3:]
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
             # New requests succeed once the worker is back on the new Redis (no process restarted).
             deadline = time.monotonic() + 30
             while True:

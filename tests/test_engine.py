@@ -188,6 +188,25 @@ def test_seeded_sampling_is_batch_independent(tiny_model_dir, prompts):
     assert len(set(tuple(c.token_ids) for c in batch)) > 1
 
 
+def test_a_continuation_draws_what_the_uninterrupted_request_would(tiny_model_dir, prompts):
+    """Failover: the prompt plus the first k tokens, num_generated=k, max_tokens reduced by k gives
+    the same remaining tokens as the uninterrupted request (seeded sampling with penalties; greedy)."""
+    seeded = dict(temperature=0.9, top_p=0.9, top_k=50, seed=77, presence_penalty=0.5, frequency_penalty=0.3,
+                  ignore_eos=True)
+    for kw in (seeded, dict(temperature=0.0, repetition_penalty=1.3, ignore_eos=True)):
+        llm = make_llm(tiny_model_dir)
+        full = llm.generate([prompts[2]], SamplingParams(max_tokens=24, **kw))[0].token_ids
+        k = 9
+        engine = llm.engine
+        engine.add_request("cont", prompts[2] + full[:k], SamplingParams(max_tokens=24 - k, **kw), num_generated=k)
+        rest = []
+        while engine.has_unfinished():
+            rest += [t for o in engine.step() for t in o.new_token_ids]
+        assert full[:k] + rest == full, kw
+    with pytest.raises(ValueError, match="num_generated"):
+        engine.add_request("bad", [1, 2], SamplingParams(max_tokens=2), num_generated=2)
+
+
 def test_sampling_controls(tiny_model_dir, prompts):
     llm = make_llm(tiny_model_dir)
     out = llm.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]

@@ -639,7 +639,8 @@ def test_admission_control(own_redis, tiny_model_dir):
 def test_engine_lost_mid_request(own_redis, tiny_model_dir):
     eng = FakeEngine(own_redis.url, engine_id="fake-dies", model=tiny_model_dir.name,
                      script=lambda req: [{"token_ids": [50]}, {"stop_heartbeat": True}, {"hang": True}]).start()
-    srv = start_gateway(own_redis.url, tiny_model_dir, engine_timeout=1.0)
+    # No failover (test_failover.py has it): the client gets engine_lost once the engine is silent.
+    srv = start_gateway(own_redis.url, tiny_model_dir, engine_timeout=1.0, max_failovers=0, failover_timeout=1.0)
     try:
         with httpx.Client(base_url=srv.url, trust_env=False, timeout=20) as c:
             t0 = time.monotonic()
@@ -684,14 +685,17 @@ def test_deadline(own_redis, tiny_model_dir):
         eng.stop()
 
 
-def test_lost_subscription_fails_in_flight_requests(own_redis, tiny_model_dir):
+@pytest.mark.parametrize("grace", [10.0, 0.0])
+def test_lost_subscription_continues_or_fails_in_flight_requests(own_redis, tiny_model_dir, grace):
     """redis-py silently reconnects and re-subscribes a killed pub/sub connection: the gateway
-    notices, fails what was in flight, and serves new requests."""
+    notices and continues what was in flight as continuations (tokens published meanwhile may be
+    lost), or with redis_grace 0 fails it; either way it serves new requests."""
     r = redis.Redis.from_url(own_redis.url)
     eng = FakeEngine(own_redis.url, engine_id="fake-resub", model=tiny_model_dir.name,
-                     script=lambda req: [{"token_ids": [50]}] + [{"sleep": 0.05}, {"token_ids": [51]}] * 100
+                     script=lambda req: [{"token_ids": [50]}] + [{"sleep": 0.05}, {"token_ids": [51]}] * 40
+                     + [{"token_ids": [52], "finish_reason": "length"}]
                      if req.params["max_tokens"] > 10 else eng.default_script(req)).start()
-    srv = start_gateway(own_redis.url, tiny_model_dir)
+    srv = start_gateway(own_redis.url, tiny_model_dir, redis_grace=grace)
     try:
         with httpx.Client(base_url=srv.url, trust_env=False, timeout=20) as c:
             with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True}) as resp:
@@ -700,8 +704,15 @@ def test_lost_subscription_fails_in_flight_requests(own_redis, tiny_model_dir):
                 r.client_kill_filter(_type="pubsub")
                 rest = [l for l in lines if l.startswith("data:")]
             assert rest[-1] == "data: [DONE]"
-            err = json.loads(rest[-2][5:])
-            assert err["error"]["code"] == "reply_channel_lost"
+            last = json.loads(rest[-2][5:])
+            if grace:
+                assert "error" not in last and last["choices"][0]["finish_reason"] == "length", rest[-3:]
+                rid = next(k for k in eng.requests if "~" not in k)
+                cont = eng.requests[f"{rid}~1"].req
+                assert cont.num_generated >= 1 and cont.params["max_tokens"] == 200 - cont.num_generated
+                wait_until(lambda: rid in eng.aborts, 5)        # the orphaned work is dropped
+            else:
+                assert last["error"]["code"] == "reply_channel_lost"
             wait_until(lambda: srv.gw.router.subscribed.is_set(), 5)
             assert srv.gw.router.counters["resubscribed"] >= 1
             resp = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
@@ -788,3 +799,47 @@ def test_stop_checker_random_splits():
         expected = text[:min(ends)[0] + min(ends)[1]] if ends else text
         assert out == expected, (text, stops, pieces, out)
         assert stopped == bool(ends)
+
+
+def test_failover_continues_then_gives_up_after_max_failovers(own_redis, tiny_model_dir):
+    """An engine that goes silent after one token, every time: the request moves as a continuation
+    (prompt + delivered tokens, max_tokens reduced, seq continued) twice, then the client gets
+    engine_lost. Once a working engine is back, the gateway serves again."""
+    eng = FakeEngine(own_redis.url, engine_id="fake-flaky", model=tiny_model_dir.name,
+                     script=lambda req: [{"token_ids": [60 + req.num_generated]}, {"stop_heartbeat": True},
+                                         {"hang": True}]).start()
+    srv = start_gateway(own_redis.url, tiny_model_dir, engine_timeout=5.0, failover_timeout=0.5, max_failovers=2)
+    try:
+        with httpx.Client(base_url=srv.url, trust_env=False, timeout=30) as c:
+            status, events = post_stream(c, "/v1/completions", {"prompt": "x", "max_tokens": 5, "stream": True})
+            err = events[-2]["error"]
+            assert events[-1] == "[DONE]" and err["code"] == "engine_lost" and "max_failovers=2" in err["message"]
+            tok = srv.gw.text_tokenizer
+            assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tok.decode([60, 61, 62])
+            first, *moves = sorted(eng.requests.values(), key=lambda fr: fr.req.request_id)
+            rid, prompt = first.req.request_id, first.req.prompt_token_ids
+            assert [m.req.request_id for m in moves] == [f"{rid}~1", f"{rid}~2"]
+            for n, m in enumerate(moves, 1):
+                assert m.req.prompt_token_ids == prompt + [60 + k for k in range(n)]
+                assert (m.req.num_generated, m.req.first_seq, m.req.params["max_tokens"]) == (n, n, 5 - n)
+                assert m.req.deadline == first.req.deadline
+            wait_until(lambda: set(eng.aborts) >= {rid, f"{rid}~1", f"{rid}~2"}, 5)
+            assert srv.gw.router.counters["failovers"] == 2
+            assert "kaiten:request_failovers_total" in c.get("/metrics").text
+        eng.stop()
+        with FakeEngine(own_redis.url, engine_id="fake-back", model=tiny_model_dir.name):
+            wait_until(lambda: srv.gw.monitor.is_alive("fake-back"), 5)
+            with httpx.Client(base_url=srv.url, trust_env=False, timeout=30) as c:
+                resp = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+                assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        srv.stop()
+        eng.stop()
+
+
+def test_failover_config_is_validated(tiny_model_dir):
+    from gateway.core import Gateway
+    from shared.config import GatewayConfig
+    for bad in ({"max_failovers": -1}, {"failover_timeout": 0.0}):
+        with pytest.raises(ValueError, match="max_failovers|failover_timeout"):
+            Gateway(GatewayConfig(model=str(tiny_model_dir), **bad))

@@ -181,7 +181,7 @@ class FakeEngine:
 
     def _serve(self, fr: FakeRequest) -> None:
         req = fr.req
-        seq = 0
+        seq = req.first_seq
         produced = 0
         try:
             for step in self.script(req):
