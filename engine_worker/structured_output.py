@@ -70,13 +70,15 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 def json_schema_ebnf(schema: str, strict_mode: bool = True) -> str:
-    """xgrammar's grammar for `schema`, as EBNF, with one fix: xgrammar's characters of a
-    length-bounded string (maxLength) include raw control characters, which JSON forbids (a strict
-    parser such as Python's ``json.loads`` rejects them); here they are excluded, as xgrammar
-    does for its other strings."""
+    """xgrammar's grammar for `schema`, as EBNF, with two fixes to the characters of its strings:
+    a length-bounded string's (maxLength) include raw control characters, which JSON forbids (a
+    strict parser such as Python's ``json.loads`` rejects them), as xgrammar's other strings do
+    not; and every string's include the surrogate code points U+D800..U+DFFF, whose UTF-8 form is
+    no valid UTF-8 (a random model wrote one: three U+FFFD once decoded, past a maxLength)."""
     import xgrammar
     ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
-    return ebnf.replace(r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+    ebnf = ebnf.replace(r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+    return ebnf.replace(r'[^\0-\x1f\"\\\r\n]', r'[^\0-\x1f\"\\\r\n\ud800-\udfff]')
 
 
 @dataclass(slots=True)
