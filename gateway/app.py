@@ -428,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-timeout", dest="engine_timeout", type=float, default=None)
     p.add_argument("--redis-max-connections", dest="redis_max_connections", type=int, default=None,
                    help="the gateway's Redis command pool size (env KAITEN_REDIS_MAX_CONNECTIONS, default 16)")
+    p.add_argument("--generation-config", dest="generation_config", default=None,
+                   help="default sampling for unset request fields: auto (the model's generation_config.json), "
+                        "vllm (the OpenAI defaults) or a directory (env KAITEN_GENERATION_CONFIG, default auto)")
     p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
     return p
 
@@ -436,7 +439,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     cfg = GatewayConfig.from_env()
     kw = {k: getattr(args, k) for k in ("host", "port", "model", "redis_url", "tokenizer_url", "served_model_name",
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
-                                         "engine_timeout", "redis_max_connections")}
+                                         "engine_timeout", "redis_max_connections", "generation_config")}
     return cfg.with_overrides(**kw)
 
 

@@ -11,6 +11,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shared.generation_defaults import GenerationDefaults
+
 from .errors import APIError, bad_request
 
 MAX_LOGPROBS = 20             # engine_worker.sampling_params.MAX_LOGPROBS
@@ -49,6 +51,7 @@ class ModelContext:
     vocab_size: int
     max_n: int
     tokenizer: Any
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)   # for unset fields
 
 
 @dataclass(slots=True)
@@ -223,24 +226,26 @@ def _unsupported(body: dict) -> None:
 
 
 def _common(body: dict, ctx: ModelContext) -> dict[str, Any]:
-    """The sampling fields both APIs share (SamplingParams minus max_tokens/logprobs/seed)."""
+    """The sampling fields both APIs share (SamplingParams minus max_tokens/logprobs/seed); an
+    unset field takes the model's default (ctx.defaults)."""
+    d = ctx.defaults
     return {
-        "temperature": _num(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        "top_k": _int(body, "top_k", -1, -1, None),
+        "temperature": _num(body, "temperature", d.temperature, 0.0, 2.0),
+        "top_p": _num(body, "top_p", d.top_p, 0.0, 1.0, lo_open=True),
+        "top_k": _int(body, "top_k", d.top_k, -1, None),
         "stop_token_ids": _stop_token_ids(body, ctx.vocab_size),
         "ignore_eos": _bool(body, "ignore_eos", False),
         "presence_penalty": _num(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": _repetition_penalty(body),
+        "repetition_penalty": _repetition_penalty(body, d.repetition_penalty),
     }
 
 
-def _repetition_penalty(body: dict) -> float:
+def _repetition_penalty(body: dict, default: float) -> float:
     """HF/vLLM semantics, applied by the engine: > 0; 1 is off, > 1 discourages repeats."""
     v = body.get("repetition_penalty")
     if v is None:
-        return 1.0
+        return default
     if not _is_num(v):
         raise bad_request(f"'repetition_penalty' must be a number, got {type(v).__name__}", "repetition_penalty",
                           "invalid_type")
@@ -250,6 +255,8 @@ def _repetition_penalty(body: dict) -> float:
 
 
 def _max_tokens(value: int | None, name: str, prompt_lens: list[int], ctx: ModelContext, default: int | None) -> int:
+    """The request's max_tokens, checked against the context; unset: `default`, capped by the
+    model's max_new_tokens (ctx.defaults.max_tokens) and by the room the prompt leaves."""
     longest = max(prompt_lens)
     if longest >= ctx.max_model_len:
         raise bad_request(
@@ -258,7 +265,8 @@ def _max_tokens(value: int | None, name: str, prompt_lens: list[int], ctx: Model
             "context_length_exceeded")
     room = ctx.max_model_len - longest
     if value is None:
-        return room if default is None else min(default, room)
+        caps = [c for c in (default, ctx.defaults.max_tokens) if c is not None]
+        return min([room, *caps])
     if longest + value > ctx.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "

@@ -135,6 +135,8 @@ class GatewayConfig(_EnvConfig):
     engine_timeout: float = 10.0         # no heartbeat from any engine this long -> error
     redis_max_connections: int = 16      # the gateway's command pool (pub/sub has its own); a full
                                          # pool makes commands wait for a connection, not open more
+    generation_config: str = "auto"      # default sampling: auto (the model's generation_config.json)
+                                         # | vllm (OpenAI defaults) | a directory holding one
     ENV_NAMES = {"redis_url": "REDIS_URL", "tokenizer_url": "TOKENIZER_URL", "api_keys": "KAITEN_API_KEYS"}
 
 

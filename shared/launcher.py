@@ -33,6 +33,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.generation_defaults import GenerationDefaults, load_generation_defaults
+
 log = logging.getLogger("kaiten.up")
 
 
@@ -212,6 +214,14 @@ def _cuda_available() -> bool:
         return False
 
 
+def banner(base: str, name: str, defaults: GenerationDefaults) -> str:
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    return (f"\nKaiten is up: {base}  (chat page: {base}/ , OpenAI API: {base}/v1)\n"
+            f"Default sampling for fields a request leaves unset: {defaults.describe()}\n"
+            f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
+            f"Ctrl-C stops it.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kaiten up", description="Run Redis (if needed), one engine worker and "
                                 "one gateway; Ctrl-C stops them all.")
@@ -223,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use this Redis instead of starting one (env REDIS_URL)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the gateway's /ready")
     p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each child gets to stop")
+    p.add_argument("--generation-config", default=os.environ.get("KAITEN_GENERATION_CONFIG", "auto"),
+                   help="default sampling: auto (the model's generation_config.json), vllm (the OpenAI "
+                        "defaults) or a directory (env KAITEN_GENERATION_CONFIG)")
     p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
     return p
 
@@ -274,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         sup.add(Child("engine", _kaiten(*engine_args), engine_env))
         sup.add(Child("gateway", _kaiten("gateway", "--host", args.host, "--port", str(args.port), "--model", model),
                       _child_env(KAITEN_MODEL=model, KAITEN_HOST=args.host, KAITEN_PORT=str(args.port),
-                                 REDIS_URL=redis_url, TOKENIZER_URL="")))
+                                 REDIS_URL=redis_url, TOKENIZER_URL="",
+                                 KAITEN_GENERATION_CONFIG=args.generation_config)))
     except Exception as e:
         print(f"kaiten up: {e}", file=sys.stderr)
         sup.stop_all()
@@ -283,12 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     base = f"http://{probe_host}:{args.port}"
     deadline = time.monotonic() + args.ready_timeout
     if wait_http_ready(f"{base}/ready", sup, max(1.0, deadline - time.monotonic())):
-        name = Path(model).name
-        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hello in one sentence."}],
-                           "max_tokens": 64})
-        print(f"\nKaiten is up: {base}  (chat page: {base}/ , OpenAI API: {base}/v1)\n"
-              f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
-              f"Ctrl-C stops it.\n", flush=True)
+        print(banner(base, Path(model).name, load_generation_defaults(model, args.generation_config)), flush=True)
     elif not sup.stopping.is_set() and sup.check() is None:
         log.error("the gateway was not ready after %.0f s", args.ready_timeout)
         sup.stop_all()
