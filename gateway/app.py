@@ -421,7 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", dest="redis_url", default=None, help="Redis URL (env REDIS_URL)")
     p.add_argument("--tokenizer-url", dest="tokenizer_url", default=None,
                    help="tokenizer service URL (env TOKENIZER_URL; empty: tokenize in-process)")
-    p.add_argument("--served-model-name", dest="served_model_name", default=None)
+    p.add_argument("--served-model-name", dest="served_model_name", default=None,
+                   help="the model's name in the API (env KAITEN_SERVED_MODEL_NAME; default: the directory's name)")
+    p.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                   help="require this key (Authorization: Bearer KEY); repeat for more "
+                        "(env KAITEN_API_KEYS, comma-separated)")
     p.add_argument("--max-queued-requests", dest="max_queued_requests", type=int, default=None)
     p.add_argument("--max-queued-tokens", dest="max_queued_tokens", type=int, default=None)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=None)
@@ -440,6 +444,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     kw = {k: getattr(args, k) for k in ("host", "port", "model", "redis_url", "tokenizer_url", "served_model_name",
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
                                          "engine_timeout", "redis_max_connections", "generation_config")}
+    kw["api_keys"] = tuple(args.api_keys) if args.api_keys else None
     return cfg.with_overrides(**kw)
 
 

