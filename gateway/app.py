@@ -25,6 +25,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -37,6 +38,8 @@ from .core import Gateway
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE_LATEST
 from .openai_api import parse_chat, parse_completion
+from .unhandled import CatchUnhandled
+from . import server_logs
 from .responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
 
 log = logging.getLogger("kaiten.gateway")
@@ -375,11 +378,6 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return JSONResponse(err.body(), status_code=exc.status_code, headers=headers)
 
 
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
-
-
 def create_app(config: GatewayConfig | None = None, *, gateway_id: str | None = None) -> Starlette:
     """The ASGI app. Each app has its own Gateway (Redis clients, router, metrics registry)."""
     config = config or GatewayConfig.from_env()
@@ -406,8 +404,8 @@ def create_app(config: GatewayConfig | None = None, *, gateway_id: str | None = 
         Route("/", index, methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC_DIR, check_dir=False), name="static"),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(CatchUnhandled)],
+                    exception_handlers={HTTPException: _http_error})
     app.state.gw = gw
     return app
 
@@ -461,9 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     # handlers and re-raises the signal: a no-op here, so a clean stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
-                lifespan="on", timeout_graceful_shutdown=10)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
+                                           lifespan="on", timeout_graceful_shutdown=10))
+    server_logs.install(logging.getLevelName(args.log_level.upper()))     # after uvicorn configured its loggers
+    server.run()
+    return 0 if server.started else 3          # 3: did not start (uvicorn.run's exit code)
 
 
 if __name__ == "__main__":
