@@ -175,6 +175,7 @@ class OutputProcessor:
                 if d.finish_reason in ("error", "abort"):
                     self._fail(s, _engine_error(d, s))
                     continue
+                m.finished(s.num_prompt_tokens, len(s.token_ids), d.metrics)
             try:
                 text = s.detokenizer.add(d.token_ids) if d.token_ids else ""
                 if d.finish_reason is not None:
