@@ -37,7 +37,9 @@ from shared.config import GatewayConfig
 from .core import Gateway
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE_LATEST
+from .json_body import parse_json
 from .openai_api import parse_chat, parse_completion
+from .origins import origin_allowed
 from .unhandled import CatchUnhandled
 from . import server_logs
 from .responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
@@ -81,7 +83,7 @@ def check_auth(request: Request) -> None:
         raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, max_depth: int) -> Any:
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -98,10 +100,7 @@ async def read_json(request: Request, limit: int) -> Any:
     raw = b"".join(chunks)
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"invalid JSON in the request body: {e}", None, "invalid_json") from None
+    return parse_json(raw, max_depth)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -142,7 +141,7 @@ async def _generate(request: Request, parse, id_prefix: str, stream, respond) ->
     gw = _gw(request)
     try:
         check_auth(request)
-        body = await read_json(request, gw.config.max_body_bytes)
+        body = await read_json(request, gw.config.max_body_bytes, gw.config.max_json_depth)
         parsed = await parse(body, gw.model_context())
         gw.admit(parsed)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -152,7 +151,7 @@ async def _generate(request: Request, parse, id_prefix: str, stream, respond) ->
         return e.response()
     created = int(time.time())
     if parsed.stream:
-        return SSEResponse(stream(gw, parsed, gens, rid, created), lambda: gw.close(gens))
+        return SSEResponse(stream(gw, parsed, gens, rid, created), lambda: gw.close(gens), gw.config.sse_keepalive)
     return await _run_unstreamed(request, gw, gens, lambda pieces: respond(gw, parsed, gens, pieces, rid, created))
 
 
@@ -227,6 +226,10 @@ async def ready(request: Request) -> Response:
 
 
 async def status(request: Request) -> Response:
+    try:
+        check_auth(request)
+    except APIError as e:
+        return e.response()
     return JSONResponse(_gw(request).status())
 
 
@@ -269,6 +272,12 @@ async def chat_ws(websocket: WebSocket) -> None:
 
     if not authorized(gw, _token_from(websocket.headers, websocket.query_params)):
         await send_error(None, APIError(401, "Invalid or missing API key", code="invalid_api_key"))
+        await websocket.close(code=1008)
+        return
+    if not gw.config.api_keys and not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host", ""),
+                                                     gw.config.allowed_origins):
+        await send_error(None, APIError(403, "this page's origin may not use the WebSocket (same-origin only; "
+                                             "see --allowed-origins)", code="origin_not_allowed"))
         await websocket.close(code=1008)
         return
 
@@ -324,10 +333,16 @@ async def chat_ws(websocket: WebSocket) -> None:
                     text = msg["bytes"].decode("utf-8")
                 except UnicodeDecodeError:
                     text = None
+            size = len(text) if text is not None else len(msg.get("bytes") or b"")
+            if size > gw.config.max_body_bytes:
+                await send_error(None, APIError(413, f"message too large (limit {gw.config.max_body_bytes} bytes)",
+                                                code="request_too_large"))
+                continue
             try:
-                data = json.loads(text) if text is not None else None
-            except ValueError:
-                data = None
+                data = parse_json(text, gw.config.max_json_depth, "the message") if text is not None else None
+            except APIError as e:
+                await send_error(None, e)
+                continue
             if not isinstance(data, dict):
                 await send_error(None, bad_request("each frame must be a JSON object", None, "invalid_json"))
                 continue
@@ -433,6 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-config", dest="generation_config", default=None,
                    help="default sampling for unset request fields: auto (the model's generation_config.json), "
                         "vllm (the OpenAI defaults) or a directory (env KAITEN_GENERATION_CONFIG, default auto)")
+    p.add_argument("--allowed-origins", dest="allowed_origins", default=None,
+                   help="without an API key, web pages of these origins may use the WebSocket besides the "
+                        "gateway's own page; comma-separated, * for any (env KAITEN_ALLOWED_ORIGINS)")
+    p.add_argument("--sse-keepalive", dest="sse_keepalive", type=float, default=None,
+                   help="seconds without a token before an SSE ': keep-alive' comment; 0: never "
+                        "(env KAITEN_SSE_KEEPALIVE, default 15)")
     p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
     return p
 
@@ -443,6 +464,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
                                          "engine_timeout", "redis_max_connections", "generation_config")}
     kw["api_keys"] = tuple(args.api_keys) if args.api_keys else None
+    kw["sse_keepalive"] = args.sse_keepalive
+    kw["allowed_origins"] = tuple(o for o in args.allowed_origins.split(",") if o) if args.allowed_origins else None
     return cfg.with_overrides(**kw)
 
 
@@ -460,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
-                                           lifespan="on", timeout_graceful_shutdown=10))
+                                           lifespan="on", timeout_graceful_shutdown=10,
+                                           ws_max_size=config.max_body_bytes))
     server_logs.install(logging.getLevelName(args.log_level.upper()))     # after uvicorn configured its loggers
     server.run()
     return 0 if server.started else 3          # 3: did not start (uvicorn.run's exit code)

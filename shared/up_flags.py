@@ -42,6 +42,9 @@ CHILD_FLAGS = (
               "no CUDA graphs, no torch.compile (the eager model)", None),
     ChildFlag("--served-model-name", "KAITEN_SERVED_MODEL_NAME", "gateway",
               "the model's name in the API (default: the directory's name)"),
+    ChildFlag("--allowed-origins", "KAITEN_ALLOWED_ORIGINS", "gateway",
+              "without an API key, web pages of these origins may use the WebSocket besides the gateway's "
+              "own page (comma-separated, * for any)"),
     ChildFlag("--generation-config", "KAITEN_GENERATION_CONFIG", "gateway",
               "default sampling: auto (the model's generation_config.json), vllm (the OpenAI defaults) "
               "or a directory (default auto)"),
