@@ -43,8 +43,10 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 MARKER = ".kaiten-converted"   # written last, inside the temporary directory, before the rename
 CONVERTER_VERSION = 2          # 2: generation_config.json holds RECOMMENDED_SAMPLING
-# SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9".
-RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+# SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9". The card sets no cap for chat;
+# without one an unset max_tokens runs to the end of the 8,192-token context when a sample never
+# reaches EOS (seen: 1,700 tokens in 10 minutes on a busy CPU). 256 was the chat page's cap.
+RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 256}
 
 log = logging.getLogger("kaiten.convert")
 

@@ -108,7 +108,7 @@ def test_default_model_conversion_upgrades_to_the_recommended_sampling(tmp_path)
     assert gen == {"bos_token_id": 1, "eos_token_id": 2, **RECOMMENDED_SAMPLING}
     assert json.loads((d / MARKER).read_text())["converter_version"] == CONVERTER_VERSION
     defaults = load_generation_defaults(d)
-    assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
+    assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.2, 0.9, 256)
 
 
 def test_the_banner_shows_the_defaults_and_a_curl_without_max_tokens(tiny_model_dir, tmp_path):
