@@ -270,3 +270,15 @@ def test_progress_logs_each_tenth_at_most_once_a_second(caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs[0] == "converting: 0/100" and msgs[-1].startswith("converting: done, 100/100 in ")
     assert [m for m in msgs[1:-1]] == [f"converting: {n}/100 ({n}%)" for n in range(10, 100, 10)]
+
+
+def test_gateway_cli_takes_keys_origins_and_keepalive(monkeypatch):
+    from gateway.app import build_parser, config_from_args
+    monkeypatch.delenv("KAITEN_API_KEYS", raising=False)
+    args = build_parser().parse_args(["--api-key", "a", "--api-key", "b", "--allowed-origins",
+                                      "https://x.example,https://y.example", "--sse-keepalive", "5"])
+    cfg = config_from_args(args)
+    assert cfg.api_keys == ("a", "b") and cfg.sse_keepalive == 5.0
+    assert cfg.allowed_origins == ("https://x.example", "https://y.example")
+    monkeypatch.setenv("KAITEN_API_KEYS", "k1,k2")
+    assert config_from_args(build_parser().parse_args([])).api_keys == ("k1", "k2")
