@@ -7,6 +7,7 @@ gate_up matmul per layer.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels.interface import AttentionBackend, AttentionMetadata
+from shared.progress import Progress
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -197,9 +199,12 @@ class LlamaForCausalLM(nn.Module):
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        progress = Progress(logging.getLogger("kaiten.engine"), f"loading weights from {model_dir}",
+                            _count_tensors(files))
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    progress.advance()
                     target = name.removeprefix("model.")
                     if "rotary_emb" in target:
                         continue
@@ -220,6 +225,15 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if n not in loaded and not any(k.startswith(n + "#") for k in loaded)]
         if missing:
             raise ValueError(f"weights missing from {model_dir}: {missing[:5]}")
+        progress.finish()
+
+
+def _count_tensors(files: list[Path]) -> int:
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            total += len(f.keys())
+    return total
 
 
 class PackedLinear(nn.Module):

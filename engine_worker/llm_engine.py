@@ -57,6 +57,8 @@ class EngineStats:
     max_num_seqs: int
     num_preemptions: int
     step_count: int
+    prefix_cache_queries: int            # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int               # of which the cache served (cumulative)
 
 
 class LLMEngine:
@@ -265,7 +267,8 @@ class LLMEngine:
             num_waiting_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
             kv_cache_usage=bm.usage, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks, max_num_seqs=s.max_num_seqs,
-            num_preemptions=s.num_preemptions, step_count=self.step_count)
+            num_preemptions=s.num_preemptions, step_count=self.step_count,
+            prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens)
 
     def check_block_accounting(self) -> None:
         """Assert that all blocks are free, cached or held by a live sequence (used by tests)."""

@@ -191,6 +191,7 @@ class EngineWorker:
 
     def _live_stats(self) -> dict:
         st = dataclasses.asdict(self.engine.stats())
+        st["step_seconds"] = self.step_stats.total_s     # cumulative, for kaiten:engine_step_seconds
         st["capacity"] = int(self.engine.free_capacity()) if self.accepting else 0
         st["accepting"] = self.accepting
         st["counters"] = self.counters.snapshot()

@@ -25,6 +25,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -33,13 +34,17 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from shared.config import GatewayConfig
 
+from . import server_logs
 from .core import Gateway
 from .errors import APIError, bad_request
 from .http_common import authorized, check_auth, gateway_of, read_json, token_from
+from .json_body import parse_json
 from .metrics import CONTENT_TYPE_LATEST
 from .openai_api import parse_chat, parse_completion
+from .origins import origin_allowed
 from .responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
 from .tokenize_api import detokenize, tokenize
+from .unhandled import CatchUnhandled
 
 log = logging.getLogger("kaiten.gateway")
 
@@ -90,7 +95,7 @@ async def _generate(request: Request, parse, id_prefix: str, stream, respond) ->
     gw = gateway_of(request)
     try:
         check_auth(request)
-        body = await read_json(request, gw.config.max_body_bytes)
+        body = await read_json(request, gw.config.max_body_bytes, gw.config.max_json_depth)
         parsed = await parse(body, gw.model_context())
         gw.admit(parsed)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -100,7 +105,7 @@ async def _generate(request: Request, parse, id_prefix: str, stream, respond) ->
         return e.response()
     created = int(time.time())
     if parsed.stream:
-        return SSEResponse(stream(gw, parsed, gens, rid, created), lambda: gw.close(gens))
+        return SSEResponse(stream(gw, parsed, gens, rid, created), lambda: gw.close(gens), gw.config.sse_keepalive)
     return await _run_unstreamed(request, gw, gens, lambda pieces: respond(gw, parsed, gens, pieces, rid, created))
 
 
@@ -193,6 +198,10 @@ async def ready(request: Request) -> Response:
 
 
 async def status(request: Request) -> Response:
+    try:
+        check_auth(request)
+    except APIError as e:
+        return e.response()
     return JSONResponse(gateway_of(request).status())
 
 
@@ -235,6 +244,12 @@ async def chat_ws(websocket: WebSocket) -> None:
 
     if not authorized(gw, token_from(websocket.headers, websocket.query_params)):
         await send_error(None, APIError(401, "Invalid or missing API key", code="invalid_api_key"))
+        await websocket.close(code=1008)
+        return
+    if not gw.config.api_keys and not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host", ""),
+                                                     gw.config.allowed_origins):
+        await send_error(None, APIError(403, "this page's origin may not use the WebSocket (same-origin only; "
+                                             "see --allowed-origins)", code="origin_not_allowed"))
         await websocket.close(code=1008)
         return
 
@@ -290,10 +305,16 @@ async def chat_ws(websocket: WebSocket) -> None:
                     text = msg["bytes"].decode("utf-8")
                 except UnicodeDecodeError:
                     text = None
+            size = len(text) if text is not None else len(msg.get("bytes") or b"")
+            if size > gw.config.max_body_bytes:
+                await send_error(None, APIError(413, f"message too large (limit {gw.config.max_body_bytes} bytes)",
+                                                code="request_too_large"))
+                continue
             try:
-                data = json.loads(text) if text is not None else None
-            except ValueError:
-                data = None
+                data = parse_json(text, gw.config.max_json_depth, "the message") if text is not None else None
+            except APIError as e:
+                await send_error(None, e)
+                continue
             if not isinstance(data, dict):
                 await send_error(None, bad_request("each frame must be a JSON object", None, "invalid_json"))
                 continue
@@ -344,11 +365,6 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return JSONResponse(err.body(), status_code=exc.status_code, headers=headers)
 
 
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
-
-
 def create_app(config: GatewayConfig | None = None, *, gateway_id: str | None = None) -> Starlette:
     """The ASGI app. Each app has its own Gateway (Redis clients, router, metrics registry)."""
     config = config or GatewayConfig.from_env()
@@ -379,8 +395,8 @@ def create_app(config: GatewayConfig | None = None, *, gateway_id: str | None = 
         Route("/", index, methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC_DIR, check_dir=False), name="static"),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(CatchUnhandled)],
+                    exception_handlers={HTTPException: _http_error})
     app.state.gw = gw
     return app
 
@@ -394,10 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", dest="redis_url", default=None, help="Redis URL (env REDIS_URL)")
     p.add_argument("--tokenizer-url", dest="tokenizer_url", default=None,
                    help="tokenizer service URL (env TOKENIZER_URL; empty: tokenize in-process)")
-    p.add_argument("--served-model-name", dest="served_model_name", default=None)
+    p.add_argument("--served-model-name", dest="served_model_name", default=None,
+                   help="the model's name in the API (env KAITEN_SERVED_MODEL_NAME; default: the directory's name)")
     p.add_argument("--chat-template", dest="chat_template", default=None,
                    help="a Jinja chat template file (or the template itself) instead of the tokenizer's "
                         "(env KAITEN_CHAT_TEMPLATE)")
+    p.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                   help="require this key (Authorization: Bearer KEY); repeat for more "
+                        "(env KAITEN_API_KEYS, comma-separated)")
     p.add_argument("--max-queued-requests", dest="max_queued_requests", type=int, default=None)
     p.add_argument("--max-queued-tokens", dest="max_queued_tokens", type=int, default=None)
     p.add_argument("--request-timeout", dest="request_timeout", type=float, default=None)
@@ -412,6 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(env KAITEN_REDIS_GRACE, default 10)")
     p.add_argument("--redis-max-connections", dest="redis_max_connections", type=int, default=None,
                    help="the gateway's Redis command pool size (env KAITEN_REDIS_MAX_CONNECTIONS, default 16)")
+    p.add_argument("--generation-config", dest="generation_config", default=None,
+                   help="default sampling for unset request fields: auto (the model's generation_config.json), "
+                        "vllm (the OpenAI defaults) or a directory (env KAITEN_GENERATION_CONFIG, default auto)")
+    p.add_argument("--allowed-origins", dest="allowed_origins", default=None,
+                   help="without an API key, web pages of these origins may use the WebSocket besides the "
+                        "gateway's own page; comma-separated, * for any (env KAITEN_ALLOWED_ORIGINS)")
+    p.add_argument("--sse-keepalive", dest="sse_keepalive", type=float, default=None,
+                   help="seconds without a token before an SSE ': keep-alive' comment; 0: never "
+                        "(env KAITEN_SSE_KEEPALIVE, default 15)")
     p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
     return p
 
@@ -422,7 +451,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                          "chat_template",
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
                                          "engine_timeout", "failover_timeout", "max_failovers", "redis_grace",
-                                         "redis_max_connections")}
+                                         "redis_max_connections", "generation_config")}
+    kw["api_keys"] = tuple(args.api_keys) if args.api_keys else None
+    kw["sse_keepalive"] = args.sse_keepalive
+    kw["allowed_origins"] = tuple(o for o in args.allowed_origins.split(",") if o) if args.allowed_origins else None
     return cfg.with_overrides(**kw)
 
 
@@ -439,9 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     # handlers and re-raises the signal: a no-op here, so a clean stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
-                lifespan="on", timeout_graceful_shutdown=10)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
+                                           lifespan="on", timeout_graceful_shutdown=10,
+                                           ws_max_size=config.max_body_bytes))
+    server_logs.install(logging.getLevelName(args.log_level.upper()))     # after uvicorn configured its loggers
+    server.run()
+    return 0 if server.started else 3          # 3: did not start (uvicorn.run's exit code)
 
 
 if __name__ == "__main__":

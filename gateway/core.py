@@ -18,6 +18,7 @@ from typing import Any
 
 from shared import names
 from shared.config import GatewayConfig
+from shared.generation_defaults import load_generation_defaults
 from shared.protocol import Abort, GenerateRequest, encode
 
 from .engines import EngineMonitor
@@ -93,6 +94,7 @@ class Gateway:
         self._cfg_max_len = int(cfg.get("max_position_embeddings") or 0) or None
         self._cfg_vocab = int(cfg.get("vocab_size") or 0) or None
         self.chat_template = load_chat_template(config.chat_template)
+        self.generation_defaults = load_generation_defaults(self.model_dir, config.generation_config)
         self.metrics = GatewayMetrics(self.served_model_name)
         # Generated tokens are always detokenized here, in-process; prompts go through `tokenizer`
         # (the same tokenizer, or the tokenizer service when config.tokenizer_url is set).
@@ -125,6 +127,7 @@ class Gateway:
                                             client_name=f"kaiten-gateway-sub-{self.gateway_id}")
         self.monitor = EngineMonitor(self.redis, self.config.engine_timeout)
         self.monitor.on_poll.append(lambda m: self.metrics.update_load(m.load()))
+        self.metrics.watch_engines(self.monitor.live_engines)
         self.router = ReplyRouter(self.sub_redis, self.gateway_id, self.monitor, self.config.engine_timeout,
                                   failover_timeout=self.config.failover_timeout)
         self.router.on_abort_needed = self.abort_soon
@@ -149,6 +152,7 @@ class Gateway:
             pass
         log.info("gateway %s serving %s (reply channel %s)", self.gateway_id, self.served_model_name,
                  self.router.channel)
+        log.info("default sampling for unset request fields: %s", self.generation_defaults.describe())
 
     async def stop(self) -> None:
         if self.router is not None:
@@ -224,7 +228,7 @@ class Gateway:
     def model_context(self) -> ModelContext:
         return ModelContext(names=self.model_names, max_model_len=self.max_model_len(),
                             vocab_size=self.vocab_size(), max_n=self.config.max_n, tokenizer=self.tokenizer,
-                            chat_template=self.chat_template)
+                            chat_template=self.chat_template, defaults=self.generation_defaults)
 
     def status(self) -> dict[str, Any]:
         load = self.monitor.load()
@@ -233,7 +237,8 @@ class Gateway:
                 "num_requests_waiting": load["num_waiting"] + load["backlog"],
                 "kv_cache_usage": round(load["kv_cache_usage"], 4), "gateway_id": self.gateway_id,
                 "max_model_len": self.max_model_len(),
-                "in_flight": len(self.router.streams)}
+                "in_flight": len(self.router.streams),
+                "generation_defaults": self.generation_defaults.as_dict()}
 
     # ------------------------------------------------------------------ admission
     def admit(self, parsed: ParsedRequest) -> None:

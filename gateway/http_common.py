@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Any
 
 from starlette.requests import Request
@@ -10,6 +9,7 @@ from starlette.websockets import WebSocket
 
 from .core import Gateway
 from .errors import APIError, bad_request
+from .json_body import parse_json
 
 
 def gateway_of(request: Request | WebSocket) -> Gateway:
@@ -41,7 +41,8 @@ def check_auth(request: Request) -> None:
         raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, max_depth: int) -> Any:
+    """The body as JSON: at most `limit` bytes and `max_depth` levels of nesting, else a 413/400."""
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -58,7 +59,4 @@ async def read_json(request: Request, limit: int) -> Any:
     raw = b"".join(chunks)
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"invalid JSON in the request body: {e}", None, "invalid_json") from None
+    return parse_json(raw, max_depth)

@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shared.generation_defaults import GenerationDefaults
 from tokenizer_service.tokenizer import RESERVED_TEMPLATE_KWARGS, ChatTemplateOptions
 
 from .errors import APIError, bad_request
@@ -73,6 +74,7 @@ class ModelContext:
     max_n: int
     tokenizer: Any
     chat_template: str | None = None          # the gateway's --chat-template (None: the tokenizer's)
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)   # for unset fields
 
 
 @dataclass(slots=True)
@@ -295,26 +297,28 @@ def _min_tokens(params: dict, body: dict) -> None:
 
 
 def _common(body: dict, ctx: ModelContext) -> dict[str, Any]:
-    """The sampling fields both APIs share (SamplingParams minus max_tokens/logprobs/seed)."""
+    """The sampling fields both APIs share (SamplingParams minus max_tokens/logprobs/seed); an
+    unset field takes the model's default (ctx.defaults)."""
+    d = ctx.defaults
     return {
-        "temperature": _num(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        "top_k": _int(body, "top_k", -1, -1, None),
-        "min_p": _num(body, "min_p", 0.0, 0.0, 1.0),
+        "temperature": _num(body, "temperature", d.temperature, 0.0, 2.0),
+        "top_p": _num(body, "top_p", d.top_p, 0.0, 1.0, lo_open=True),
+        "top_k": _int(body, "top_k", d.top_k, -1, None),
+        "min_p": _num(body, "min_p", d.min_p, 0.0, 1.0),
         "stop_token_ids": _stop_token_ids(body, ctx.vocab_size),
         "ignore_eos": bool_field(body, "ignore_eos", False),
         "presence_penalty": _num(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": _repetition_penalty(body),
+        "repetition_penalty": _repetition_penalty(body, d.repetition_penalty),
         "logit_bias": _logit_bias(body, ctx.vocab_size),
     }
 
 
-def _repetition_penalty(body: dict) -> float:
+def _repetition_penalty(body: dict, default: float) -> float:
     """HF/vLLM semantics, applied by the engine: > 0; 1 is off, > 1 discourages repeats."""
     v = body.get("repetition_penalty")
     if v is None:
-        return 1.0
+        return default
     if not _is_num(v):
         raise bad_request(f"'repetition_penalty' must be a number, got {type(v).__name__}", "repetition_penalty",
                           "invalid_type")
@@ -324,6 +328,8 @@ def _repetition_penalty(body: dict) -> float:
 
 
 def _max_tokens(value: int | None, name: str, prompt_lens: list[int], ctx: ModelContext, default: int | None) -> int:
+    """The request's max_tokens, checked against the context; unset: `default`, capped by the
+    model's max_new_tokens (ctx.defaults.max_tokens) and by the room the prompt leaves."""
     longest = max(prompt_lens)
     if longest >= ctx.max_model_len:
         raise bad_request(
@@ -332,7 +338,8 @@ def _max_tokens(value: int | None, name: str, prompt_lens: list[int], ctx: Model
             "context_length_exceeded")
     room = ctx.max_model_len - longest
     if value is None:
-        return room if default is None else min(default, room)
+        caps = [c for c in (default, ctx.defaults.max_tokens) if c is not None]
+        return min([room, *caps])
     if longest + value > ctx.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "

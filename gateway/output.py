@@ -219,6 +219,7 @@ class OutputProcessor:
                 if d.finish_reason in ("error", "abort"):
                     self._fail(s, _engine_error(d, s))
                     continue
+                m.finished(s.num_prompt_tokens, len(s.token_ids), d.metrics)
             ids = d.token_ids
             if d.finish_reason == "stop" and ids and not s.options.include_stop_str_in_output:
                 ids = ids[:-1]                # the EOS or stop token id: not text (vLLM's rule)

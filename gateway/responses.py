@@ -337,16 +337,22 @@ async def collect(gens: list[SubGeneration]) -> dict[int, list[Piece]]:
 
 
 # ---------------------------------------------------------------------- the SSE response
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
 class SSEResponse:
     """Streams an async iterator of SSE frames; a client disconnect cancels it at once.
 
     ``on_close`` always runs at the end (normal end, error or disconnect): the gateway aborts the
-    engine requests that may still run.
+    engine requests that may still run. While no frame comes for ``keepalive`` seconds (a long
+    prefill, a queue), a ``: keep-alive`` comment keeps proxies from closing the idle connection.
     """
 
-    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None] | None]):
+    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None] | None],
+                 keepalive: float = 0.0):
         self.frames = frames
         self.on_close = on_close
+        self.keepalive = keepalive if keepalive > 0 else None
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [
@@ -364,7 +370,16 @@ class SSEResponse:
         try:
             while True:
                 nxt = asyncio.ensure_future(self.frames.__anext__())
-                done, _ = await asyncio.wait({nxt, listener}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({nxt, listener}, timeout=self.keepalive,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                while not done:              # idle for `keepalive` seconds
+                    try:
+                        await send({"type": "http.response.body", "body": KEEPALIVE_COMMENT, "more_body": True})
+                    except OSError:
+                        done = {listener}    # gone: handled as a disconnect below
+                        break
+                    done, _ = await asyncio.wait({nxt, listener}, timeout=self.keepalive,
+                                                 return_when=asyncio.FIRST_COMPLETED)
                 if nxt not in done:
                     disconnected = True
                     nxt.cancel()

@@ -66,7 +66,8 @@ async def detokenize(request: Request) -> Response:
 
 
 async def _body(request: Request, allowed: frozenset[str]) -> dict[str, Any]:
-    body = await read_json(request, gateway_of(request).config.max_body_bytes)
+    config = gateway_of(request).config
+    body = await read_json(request, config.max_body_bytes, config.max_json_depth)
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
     unknown = sorted(set(body) - allowed)

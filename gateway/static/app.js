@@ -14,8 +14,9 @@
 
   var STORE_KEY = "kaiten.chat.v1";
   var SETTINGS_KEY = "kaiten.settings.v1";
-  // Defaults that suit SmolLM2-135M-Instruct: low-ish temperature, nucleus 0.9, short replies.
-  var DEFAULTS = { system: "", temperature: 0.4, top_p: 0.9, max_tokens: 256, seed: "" };
+  // An empty sampling field is left out of the request: the server applies the model's default
+  // (its generation_config.json), which the form shows as the placeholder (from /v1/status).
+  var DEFAULTS = { system: "", temperature: "", top_p: "", max_tokens: "", seed: "" };
   var BACKOFF_MIN_MS = 500;
   var BACKOFF_MAX_MS = 8000;
   var STATUS_EVERY_MS = 2000;
@@ -104,17 +105,16 @@
     };
     writeJSON(SETTINGS_KEY, settings);
   }
-  function num(v, dflt, lo, hi) {
+  function num(v, lo, hi) {
     var x = parseFloat(v);
-    if (!isFinite(x)) x = dflt;
-    return Math.min(hi, Math.max(lo, x));
+    return isFinite(x) ? Math.min(hi, Math.max(lo, x)) : null;
   }
   function requestParams() {
-    var p = {
-      temperature: num(settings.temperature, DEFAULTS.temperature, 0, 2),
-      top_p: num(settings.top_p, DEFAULTS.top_p, 0.01, 1),
-      max_tokens: Math.round(num(settings.max_tokens, DEFAULTS.max_tokens, 1, 1e6)),
-    };
+    var p = {};
+    var t = num(settings.temperature, 0, 2), tp = num(settings.top_p, 0.01, 1), mt = num(settings.max_tokens, 1, 1e6);
+    if (t !== null) p.temperature = t;
+    if (tp !== null) p.top_p = tp;
+    if (mt !== null) p.max_tokens = Math.round(mt);
     var seed = String(settings.seed).trim();
     if (seed !== "" && isFinite(parseInt(seed, 10))) p.seed = parseInt(seed, 10);
     return p;
@@ -398,9 +398,8 @@
       var m = byId.get(outbox[0]);
       if (!m || m.state !== "queued") { outbox.shift(); continue; }
       var p = m.params || requestParams();
-      var frame = { type: "chat", id: m.id, messages: historyBefore(m),
-                    temperature: p.temperature, top_p: p.top_p, max_tokens: p.max_tokens };
-      if (p.seed != null) frame.seed = p.seed;
+      var frame = { type: "chat", id: m.id, messages: historyBefore(m) };
+      ["temperature", "top_p", "max_tokens", "seed"].forEach(function (k) { if (p[k] != null) frame[k] = p[k]; });
       if (!sendFrame(frame)) break;
       outbox.shift();
       m.state = "streaming";
@@ -681,7 +680,14 @@
         statusTimer = setTimeout(pollStatus, document.visibilityState === "hidden" ? STATUS_HIDDEN_EVERY_MS : STATUS_EVERY_MS);
       });
   }
+  function showServerDefaults(d) {
+    if (!d) return;
+    els.temperature.placeholder = "model default " + d.temperature;
+    els.top_p.placeholder = "model default " + d.top_p;
+    els.max_tokens.placeholder = d.max_tokens != null ? "model default " + d.max_tokens : "up to the context";
+  }
   function renderStatus(s) {
+    showServerDefaults(s.generation_defaults);
     var e = els.engineStatus;
     e.setAttribute("data-ok", "true");
     e.setAttribute("data-running", String(s.num_requests_running));

@@ -1,0 +1,95 @@
+"""The flags `kaiten up` hands on to its children, named as in `vllm serve`.
+
+Each flag is given to one child as the same flag, only when it was given to `up`; otherwise the
+child reads its ``KAITEN_*`` variable from the environment it inherits. The API key travels in the
+gateway's environment (``KAITEN_API_KEYS``), never on a command line that `ps` shows.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(slots=True, frozen=True)
+class ChildFlag:
+    flag: str
+    env: str
+    child: str                               # "engine" | "gateway"
+    help: str
+    type: Callable | None = str              # None: a switch (no value)
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+CHILD_FLAGS = (
+    ChildFlag("--dtype", "KAITEN_DTYPE", "engine",
+              "auto | bfloat16 | float16 | float32 (auto: bf16 where the hardware has bf16 matmuls)"),
+    ChildFlag("--device", "KAITEN_DEVICE", "engine", "cpu | cuda | cuda:N (default: cuda when torch sees a GPU)"),
+    ChildFlag("--max-model-len", "KAITEN_MAX_MODEL_LEN", "engine", "context length (default: the model's)", int),
+    ChildFlag("--max-num-seqs", "KAITEN_MAX_NUM_SEQS", "engine", "most requests in one batch (default 256)", int),
+    ChildFlag("--max-num-batched-tokens", "KAITEN_MAX_NUM_BATCHED_TOKENS", "engine",
+              "tokens per step (default 2048 on a GPU, 256 on the CPU)", int),
+    ChildFlag("--kv-cache-memory", "KAITEN_KV_CACHE_MEMORY", "engine",
+              "KV cache budget: bytes or e.g. 2GiB (default auto)"),
+    ChildFlag("--gpu-memory-utilization", "KAITEN_GPU_MEMORY_UTILIZATION", "engine",
+              "CUDA: fraction of the GPU's memory the engine may use (default 0.9)", float),
+    ChildFlag("--enforce-eager", "KAITEN_ENFORCE_EAGER", "engine",
+              "no CUDA graphs, no torch.compile (the eager model)", None),
+    ChildFlag("--served-model-name", "KAITEN_SERVED_MODEL_NAME", "gateway",
+              "the model's name in the API (default: the directory's name)"),
+    ChildFlag("--allowed-origins", "KAITEN_ALLOWED_ORIGINS", "gateway",
+              "without an API key, web pages of these origins may use the WebSocket besides the gateway's "
+              "own page (comma-separated, * for any)"),
+    ChildFlag("--generation-config", "KAITEN_GENERATION_CONFIG", "gateway",
+              "default sampling: auto (the model's generation_config.json), vllm (the OpenAI defaults) "
+              "or a directory (default auto)"),
+)
+
+
+def add_child_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("passed to the engine and the gateway (as in vllm serve)")
+    group.add_argument("--api-key", dest="api_key", action="append", default=None,
+                       help="require this key (Authorization: Bearer KEY); repeat for more "
+                            "(env KAITEN_API_KEYS, comma-separated)")
+    for f in CHILD_FLAGS:
+        if f.type is None:
+            group.add_argument(f.flag, dest=f.dest, action="store_true", default=None, help=f"{f.help} (env {f.env})")
+        else:
+            group.add_argument(f.flag, dest=f.dest, type=f.type, default=None, help=f"{f.help} (env {f.env})")
+    group.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None,
+                       help="every process's log level (env KAITEN_LOG_LEVEL, default INFO)")
+
+
+def child_args(args: argparse.Namespace, child: str) -> list[str]:
+    """The flags given to `up` that belong to `child`, as that child's command-line arguments."""
+    out: list[str] = []
+    for f in CHILD_FLAGS:
+        value = getattr(args, f.dest)
+        if f.child != child or value is None:
+            continue
+        out += [f.flag] if f.type is None else [f.flag, str(value)]
+    if args.log_level is not None:
+        out += ["--log-level", args.log_level]
+    return out
+
+
+def child_env(args: argparse.Namespace, child: str) -> dict[str, str]:
+    """Environment entries `child` gets from `up`'s flags (the API keys, for the gateway)."""
+    if child == "gateway" and args.api_key:
+        return {"KAITEN_API_KEYS": ",".join(args.api_key)}
+    return {}
+
+
+EPILOG = """\
+Each flag above also reads the KAITEN_* variable it names. Other variables:
+  KAITEN_MODEL        model directory (like --model)
+  KAITEN_MODELS_DIR   where the default model is converted (default ./models)
+  REDIS_URL           an existing Redis (like --redis-url)
+  KAITEN_NUM_THREADS  torch CPU threads of the engine (0: one per core)
+Every field of `kaiten engine --help` and `kaiten gateway --help` has a KAITEN_* variable too.
+"""
