@@ -529,6 +529,8 @@ def routed_answer(browser, stack, answer: str | None):
         ws.on_message(on_message)
 
     pg.route_web_socket(re.compile(r".*/v1/chat/ws$"), handler)
+    pg.requested = []
+    pg.on("request", lambda r: pg.requested.append(r.url))
     pg.goto(stack.url)
     pg.wait_for_selector("body[data-conn=open]")
     return context, pg, chats
@@ -576,6 +578,9 @@ def test_markdown_renders_highlights_and_is_sanitized(browser, stack):
         ARTIFACTS.mkdir(exist_ok=True)
         pg.screenshot(path=str(ARTIFACTS / "chat-markdown.png"))
         assert not errors, errors
+        # Offline: every file the page asked for came from the gateway (no CDN), the libraries included.
+        assert pg.requested and all(u.startswith(stack.gateway.url + "/") for u in pg.requested), pg.requested
+        assert {"marked.umd.js", "purify.min.js", "highlight.min.js"} <= {u.rsplit("/", 1)[-1] for u in pg.requested}
     finally:
         context.close()
 
@@ -718,10 +723,23 @@ def test_past_chats_switch_delete_and_survive_a_reload(page, stack):
         {"role": "user", "content": "Chat A follow-up"}])
     assert pg.locator("#chat-list .chat-open").first.inner_text() == "Chat A question"   # most recent now
 
-    # Delete B (not open), then A (open): the page moves to a fresh chat; storage forgets both.
+    # On a phone the list is a drawer behind the Chats button; picking a chat closes it.
+    pg.set_viewport_size({"width": 390, "height": 844})
+    assert not pg.locator("#chats").is_visible()
+    pg.click("#chats-toggle")
+    assert pg.locator("#chats").is_visible()
+    pg.screenshot(path=str(ARTIFACTS / "chat-phone-chats.png"))
+    pg.locator("#chat-list .chat-open", has_text="Chat B question").click()
+    assert not pg.locator("#chats").is_visible()
+    assert pg.evaluate("window.kaitenChat.chatId") == chat_b
+    pg.set_viewport_size({"width": 1280, "height": 800})
+
+    # Delete B (open), then A (open after B went): the page moves to a fresh chat; storage forgets both.
     pg.locator("#chat-list .chat-item", has_text="Chat B question").locator(".chat-delete").click()
     assert pg.locator("#chat-list .chat-item", has_text="Chat B question").count() == 0
     assert pg.evaluate(f"localStorage.getItem('kaiten.chat.v2.{chat_b}')") is None
+    assert pg.evaluate("window.kaitenChat.chatId") == chat_a                      # the next most recent
+    assert pg.locator("article.msg-user .msg-body").first.inner_text() == "Chat A question"
     pg.locator("#chat-list .chat-item", has_text="Chat A question").locator(".chat-delete").click()
     assert pg.evaluate("window.kaitenChat.chatId") not in (chat_a, chat_b)
     assert pg.locator("article.msg").count() == 0

@@ -46,11 +46,12 @@
     return c && Array.isArray(c.messages) ? c : null;
   }
 
-  // Store the chat's messages and list it first; an empty chat is removed instead.
-  function save(id, messages) {
+  // Store the chat's messages and list it first; an empty chat is removed instead. savedAt (now
+  // unless given) tells a reply still streaming in another tab from one whose page went away.
+  function save(id, messages, savedAt) {
     if (!messages.length) { remove(id); return; }
     var now = Date.now();
-    writeJSON(CHAT_PREFIX + id, { savedAt: now, messages: messages });
+    writeJSON(CHAT_PREFIX + id, { savedAt: savedAt || now, messages: messages });
     var index = list().filter(function (c) { return c.id !== id; });
     index.unshift({ id: id, title: titleOf(messages), updatedAt: now });
     writeJSON(INDEX_KEY, index);
@@ -76,7 +77,7 @@
     var old = readJSON(LEGACY_KEY);
     if (old && Array.isArray(old.messages) && old.messages.length && !list().length) {
       var id = newId();
-      save(id, old.messages);
+      save(id, old.messages, old.savedAt || 1);
       setCurrent(id);
     }
     if (old) removeKey(LEGACY_KEY);
