@@ -245,16 +245,27 @@ def wait_reply_state(pg, states: str | tuple, timeout: float = 30_000):
 
 
 WATCH_STREAM = """() => {
+  // Each DOM change of the last reply: its text on screen, and the raw text the page holds for it.
   window.__texts = [];
+  window.__contents = [];
   const log = document.getElementById('log');
   const obs = new MutationObserver(() => {
     const a = [...log.querySelectorAll('article.msg-assistant')].pop();
     if (!a) return;
     const t = a.querySelector('.msg-body').textContent;
-    if (window.__texts[window.__texts.length - 1] !== t) window.__texts.push(t);
+    if (window.__texts[window.__texts.length - 1] === t) return;
+    window.__texts.push(t);
+    const m = window.kaitenChat.snapshot().messages.find(x => x.id === a.dataset.id);
+    window.__contents.push(m ? m.content : null);
   });
   obs.observe(log, {subtree: true, childList: true, characterData: true});
 }"""
+
+
+def rendered_text(pg, markdown: str) -> str:
+    """The text the page shows for this reply text (rendered by the page's own markdown code)."""
+    return pg.evaluate("(t) => { const el = document.createElement('div'); window.kaitenChat.render(el, t);"
+                       " return el.textContent; }", markdown)
 
 
 def snapshot(pg) -> dict:
@@ -281,8 +292,11 @@ def test_streams_two_turns_persists_and_screenshots(page, stack):
     assert reply.get_attribute("data-state") == "done", reply.inner_text()
     texts = [t for t in pg.evaluate("window.__texts") if t]
     assert len(texts) >= 2, f"the reply did not stream (DOM texts seen: {texts!r})"
-    for a, b in zip(texts, texts[1:]):
-        assert b.startswith(a) and len(b) > len(a), f"the reply did not grow: {a!r} -> {b!r}"
+    contents = [c for c in pg.evaluate("window.__contents") if c]
+    for a, b in zip(contents, contents[1:]):                         # markdown may reshape the text on
+        assert b.startswith(a) and len(b) >= len(a), f"the reply did not grow: {a!r} -> {b!r}"  # screen
+    counters = pg.evaluate("window.kaitenChat.counters")
+    assert counters["markdownRenders"] <= counters["deltas"] + 3, counters   # never more than per delta
     user = pg.locator("article.msg-user").last
     assert user.locator(".msg-body").inner_text() == first          # Shift+Enter kept the newline
     assert reply.get_attribute("data-finish-reason") in ("stop", "length")
@@ -341,11 +355,14 @@ def test_streams_two_turns_persists_and_screenshots(page, stack):
     pg.keyboard.press("Escape")
     assert not pg.locator("#settings").is_visible()
 
-    # New chat clears the conversation, in storage too.
+    # New chat starts an empty conversation; the old one stays in the list of past chats.
+    old_id = pg.evaluate("window.kaitenChat.chatId")
     pg.click("#new-chat")
     assert pg.locator("article.msg").count() == 0
     assert snapshot(pg)["messages"] == []
-    assert json.loads(pg.evaluate("localStorage.getItem('kaiten.chat.v1')"))["messages"] == []
+    assert pg.evaluate("window.kaitenChat.chatId") != old_id
+    saved = json.loads(pg.evaluate(f"localStorage.getItem('kaiten.chat.v2.{old_id}')"))
+    assert [(m["role"], m["content"]) for m in saved["messages"]] == before
 
 
 def test_stop_cancels_generation(page, stack):
@@ -369,7 +386,8 @@ def test_stop_cancels_generation(page, stack):
     n = int(reply.get_attribute("data-completion-tokens"))
     assert 1 <= n < 470
     text = reply.locator(".msg-body").text_content()
-    assert text and snapshot(pg)["messages"][-1]["content"] == text   # the reply ends where it stopped
+    content = snapshot(pg)["messages"][-1]["content"]                  # the reply ends where it stopped:
+    assert text and content and rendered_text(pg, content) == text     # what is kept is what was shown
     assert pg.locator("#send").is_visible()
     pg.screenshot(path=str(ARTIFACTS / "chat-stopped.png"))
     # The engine let go of it.
@@ -407,7 +425,9 @@ def test_reconnects_and_delivers_queued_message(page, stack):
     assert pg.evaluate("window.kaitenChat.outbox.length") == 1
     assert "queued" in pg.inner_text("#conn-banner")
     pg.screenshot(path=str(ARTIFACTS / "chat-queued.png"))
-    assert json.loads(pg.evaluate("localStorage.getItem('kaiten.chat.v1')"))["messages"][-1]["state"] == "queued"
+    chat_id = pg.evaluate("window.kaitenChat.chatId")
+    saved = json.loads(pg.evaluate(f"localStorage.getItem('kaiten.chat.v2.{chat_id}')"))
+    assert saved["messages"][-1]["state"] == "queued"
 
     stack.gateway.start()
     stack.gateway.wait_ready()
@@ -423,9 +443,9 @@ def test_reconnects_and_delivers_queued_message(page, stack):
     assert conn[-1] == "open" and "closed" in conn, conn
 
 
-def test_errors_render_inline_and_markdown_is_safe(browser, stack):
-    """Server error frames (overload with retry-after, a lost engine) through a routed socket, and the
-    markdown-ish renderer on hostile text. The page itself is the real one, from the real gateway."""
+def test_errors_render_inline(browser, stack):
+    """Server error frames (overload with retry-after, a lost engine) through a routed socket. The page
+    itself is the real one, from the real gateway."""
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     pg = context.new_page()
     frames: list[dict] = []
@@ -465,20 +485,322 @@ def test_errors_render_inline_and_markdown_is_safe(browser, stack):
         reply = wait_reply_state(pg, "error", timeout=5_000)
         assert reply.locator(".msg-error").get_attribute("data-code") == "engine_lost"
         assert "engine" in reply.locator(".msg-error").inner_text()
-        assert reply.locator(".msg-body").text_content() == "partial <b>x</b>"   # kept, and as text
+        assert reply.locator(".msg-body").inner_text() == "partial <b>x</b>"     # kept, and as text
         assert reply.locator(".msg-body b").count() == 0
         chats = [f for f in frames if f.get("type") == "chat"]
         assert len(chats) == 2 and chats[1]["messages"] == [{"role": "user", "content": "hi"}]
 
-        # Fenced code keeps its whitespace; HTML in model text stays text.
-        html = pg.evaluate("""() => {
-          const el = document.createElement('div');
-          window.kaitenChat.render(el, "Look:\\n```python\\ndef f():\\n    return '<img src=x onerror=alert(1)>'\\n```\\nend `x<y>`");
-          return {pre: el.querySelectorAll('pre code').length, code: el.querySelector('pre code').textContent,
-                  lang: el.querySelector('pre').dataset.lang, img: el.querySelectorAll('img').length,
-                  inline: el.querySelector('code.md-inline').textContent};
-        }""")
-        assert html == {"pre": 1, "code": "def f():\n    return '<img src=x onerror=alert(1)>'", "lang": "python",
-                        "img": 0, "inline": "x<y>"}
     finally:
         context.close()
+
+
+# ---------------------------------------------------------------------- markdown, copy, regenerate, edit, chats
+MARKDOWN = (
+    "Steps:\n\n1. **Bold** and *italic*\n2. a [link](https://example.com/x)\n\n"
+    "- one\n- two\n\n"
+    "| lang | year |\n|---|---|\n| Python | 1991 |\n| C | 1972 |\n\n"
+    "```python\ndef f(x):\n    return x < 2\n```\n\n"
+    "Inline `a<b` and <img src=x onerror=\"window.__pwned=1\"> and [bad](javascript:window.__pwned=2) "
+    "and ![pic](https://example.com/p.png) and <b onclick=\"window.__pwned=3\">html</b>.\n\n"
+    "<script>window.__pwned=4</script>\n"
+)
+CODE = "def f(x):\n    return x < 2"
+
+
+def routed_answer(browser, stack, answer: str | None):
+    """A page of the real gateway whose WebSocket is answered by the test: each chat turn gets
+    ``answer`` in one delta, then done (None: only the start frame, the test sends the rest).
+    Returns (context, page, the chat frames the page sent)."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    pg = context.new_page()
+    chats: list[dict] = []
+
+    def handler(ws):
+        def on_message(message):
+            f = json.loads(message)
+            if f.get("type") == "ping":
+                ws.send(json.dumps({"type": "pong"}))
+            if f.get("type") != "chat":
+                return
+            chats.append(f)
+            ws.send(json.dumps({"type": "start", "id": f["id"], "request_id": f"chatcmpl-{len(chats)}", "model": "tiny"}))
+            if answer is None:
+                return
+            ws.send(json.dumps({"type": "delta", "id": f["id"], "content": answer}))
+            ws.send(json.dumps({"type": "done", "id": f["id"], "finish_reason": "stop",
+                                "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}}))
+        ws.on_message(on_message)
+
+    pg.route_web_socket(re.compile(r".*/v1/chat/ws$"), handler)
+    pg.requested = []
+    pg.on("request", lambda r: pg.requested.append(r.url))
+    pg.goto(stack.url)
+    pg.wait_for_selector("body[data-conn=open]")
+    return context, pg, chats
+
+
+def test_markdown_renders_highlights_and_is_sanitized(browser, stack):
+    context, pg, _ = routed_answer(browser, stack, MARKDOWN)
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        pg.evaluate("window.__pwned = 0")
+        send(pg, "Show me markdown")
+        reply = wait_reply_state(pg, "done", timeout=10_000)
+        body = reply.locator(".msg-body")
+        assert body.locator("ol > li").count() == 2 and body.locator("ul > li").count() == 2
+        assert body.locator("ol strong").inner_text() == "Bold" and body.locator("ol em").inner_text() == "italic"
+        link = body.locator("a", has_text="link")
+        assert link.get_attribute("href") == "https://example.com/x"
+        assert link.get_attribute("target") == "_blank" and "noopener" in link.get_attribute("rel")
+        assert body.locator("table th").all_inner_texts() == ["lang", "year"]
+        assert body.locator("table tbody tr").count() == 2
+        assert body.locator("table tbody td").first.inner_text() == "Python"
+        # Fenced code: its text intact, coloured by highlight.js, under a header with its language.
+        code = body.locator(".code-block pre code")
+        assert code.text_content() == CODE
+        assert "hljs" in code.get_attribute("class") and code.locator(".hljs-keyword").first.inner_text() == "def"
+        assert body.locator(".code-block .code-lang").inner_text() == "python"
+        assert body.locator("code.md-inline").inner_text() == "a<b"
+        # Hostile parts: raw HTML stays text, no script runs, no javascript: link, no image loads.
+        pg.wait_for_timeout(300)
+        assert pg.evaluate("window.__pwned") == 0
+        assert body.locator("img, script, b").count() == 0
+        assert "<img src=x" in body.inner_text() and "<b onclick" in body.inner_text()
+        assert body.locator("a", has_text="bad").get_attribute("href") is None
+        assert body.locator("a", has_text="pic").get_attribute("href") == "https://example.com/p.png"
+        assert pg.evaluate("""() => [...document.querySelectorAll('#log [onerror], #log [onclick]')].length""") == 0
+        # The same through the page's renderer on a detached string: an <img onerror> never fires.
+        pg.evaluate("""() => new Promise(done => {
+          const el = document.createElement('div');
+          document.body.appendChild(el);
+          window.kaitenChat.render(el, '<img src=x onerror="window.__pwned=5"><svg><script>window.__pwned=6</script></svg>');
+          setTimeout(done, 300);
+        })""")
+        assert pg.evaluate("window.__pwned") == 0
+        ARTIFACTS.mkdir(exist_ok=True)
+        pg.screenshot(path=str(ARTIFACTS / "chat-markdown.png"))
+        assert not errors, errors
+        # Offline: every file the page asked for came from the gateway (no CDN), the libraries included.
+        assert pg.requested and all(u.startswith(stack.gateway.url + "/") for u in pg.requested), pg.requested
+        assert {"marked.umd.js", "purify.min.js", "highlight.min.js"} <= {u.rsplit("/", 1)[-1] for u in pg.requested}
+    finally:
+        context.close()
+
+
+def test_streaming_renders_once_per_frame(browser, stack):
+    """300 deltas handled in one task draw the reply once (one animation frame), not 300 times."""
+    context, pg, _ = routed_answer(browser, stack, None)
+    try:
+        send(pg, "Stream please")
+        wait_reply_state(pg, "streaming", timeout=5_000)
+        result = pg.evaluate("""() => new Promise(done => {
+          const id = [...document.querySelectorAll('article.msg-assistant')].pop().dataset.id;
+          const sock = window.kaitenChat.socket;
+          const before = {...window.kaitenChat.counters};
+          for (let i = 0; i < 300; i++) {
+            sock.onmessage({data: JSON.stringify({type: 'delta', id, content: (i % 30 === 0 ? '\\n\\n- ' : '') + 'w' + i + ' '})});
+          }
+          const sameTask = window.kaitenChat.counters.markdownRenders - before.markdownRenders;
+          requestAnimationFrame(() => requestAnimationFrame(() => {
+            const after = window.kaitenChat.counters;
+            done({sameTask, renders: after.markdownRenders - before.markdownRenders,
+                  deltas: after.deltas - before.deltas,
+                  items: document.querySelectorAll('article.msg-assistant:last-of-type li').length,
+                  text: [...document.querySelectorAll('article.msg-assistant')].pop().querySelector('.msg-body').textContent});
+          }));
+        })""")
+        assert result["deltas"] == 300
+        assert result["sameTask"] == 0, result                   # nothing drawn per token
+        assert result["renders"] == 1, result                    # one frame, one render
+        assert "w0" in result["text"] and "w299" in result["text"]
+        assert result["items"] == 10
+    finally:
+        context.close()
+
+
+def test_copy_buttons_put_text_on_the_clipboard(browser, stack):
+    context, pg, _ = routed_answer(browser, stack, MARKDOWN)
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=stack.gateway.url)
+    try:
+        send(pg, "Give me code")
+        reply = wait_reply_state(pg, "done", timeout=10_000)
+        clipboard = "navigator.clipboard.readText()"
+        reply.locator(".code-copy").click()
+        pg.wait_for_function("document.querySelector('.code-copy').dataset.copied === 'true'", timeout=5_000)
+        assert reply.locator(".code-copy").inner_text() == "Copied"
+        assert pg.evaluate(clipboard) == CODE
+        reply.locator(".act-copy").click()                       # the whole reply, as markdown
+        pg.wait_for_function("() => navigator.clipboard.readText().then(t => t.startsWith('Steps:'))", timeout=5_000)
+        assert pg.evaluate(clipboard) == MARKDOWN
+        pg.locator("article.msg-user .act-copy").click()
+        pg.wait_for_function("() => navigator.clipboard.readText().then(t => t === 'Give me code')", timeout=5_000)
+        pg.wait_for_function("document.querySelector('.code-copy').textContent === 'Copy'", timeout=5_000)
+    finally:
+        context.close()
+
+
+def test_regenerate_and_edit_and_resend_send_the_right_messages(page, stack):
+    pg = page
+    settings(pg, temperature=1.0, top_p=1.0, max_tokens=8, seed=5)
+    send(pg, "First question")
+    wait_reply_state(pg, ("done", "error"))
+    first_reply = snapshot(pg)["messages"][1]
+    assert first_reply["state"] == "done"
+
+    # Regenerate: the last reply is asked again from the same question, without the old answer.
+    assert not pg.locator("article.msg-user .act-regen").is_visible()
+    settings(pg, temperature=1.0, top_p=1.0, max_tokens=8, seed=6)
+    last_reply(pg).locator(".act-regen").click()
+    pg.wait_for_function("(old) => { const a = [...document.querySelectorAll('article.msg-assistant')].pop();"
+                         " return a.dataset.id !== old && a.dataset.state === 'done'; }",
+                         arg=first_reply["id"], timeout=30_000)
+    convo = snapshot(pg)["messages"]
+    assert [m["role"] for m in convo] == ["user", "assistant"] and convo[1]["id"] != first_reply["id"]
+    assert pg.locator("article.msg").count() == 2
+    regen = stack.queued_request(convo[1]["request_id"])
+    assert regen.prompt_token_ids == stack.chat_ids([{"role": "user", "content": "First question"}])
+    assert regen.params.get("seed") == 6
+
+    # A second turn, then edit the first question: what followed it goes, the edit is sent alone.
+    send(pg, "Second question")
+    wait_reply_state(pg, ("done", "error"))
+    assert pg.locator("article.msg").count() == 4
+    first_user = pg.locator("article.msg-user").first
+    first_user.locator(".act-edit").click()
+    box = first_user.locator(".msg-edit textarea")
+    assert box.input_value() == "First question"
+    box.fill("Edited\nquestion")
+    box.press("Enter")
+    pg.wait_for_function("() => document.querySelectorAll('article.msg').length === 2", timeout=5_000)
+    reply = wait_reply_state(pg, ("done", "error"))
+    assert reply.get_attribute("data-state") == "done"
+    convo = snapshot(pg)["messages"]
+    assert [(m["role"], m["content"]) for m in convo][0] == ("user", "Edited\nquestion")
+    assert len(convo) == 2
+    assert pg.locator("article.msg-user .msg-body").inner_text() == "Edited\nquestion"
+    edited = stack.queued_request(convo[1]["request_id"])
+    assert edited.prompt_token_ids == stack.chat_ids([{"role": "user", "content": "Edited\nquestion"}])
+
+    # Escape leaves the editor without sending anything.
+    sent = len(stack.tap.requests)
+    pg.locator("article.msg-user .act-edit").click()
+    pg.locator("article.msg-user .msg-edit textarea").fill("never sent")
+    pg.locator("article.msg-user .msg-edit textarea").press("Escape")
+    assert pg.locator("article.msg-user .msg-body").inner_text() == "Edited\nquestion"
+    pg.wait_for_timeout(300)
+    assert len(stack.tap.requests) == sent and len(snapshot(pg)["messages"]) == 2
+
+
+def test_past_chats_switch_delete_and_survive_a_reload(page, stack):
+    pg = page
+    pg.on("dialog", lambda d: d.accept())
+    settings(pg, temperature=1.0, top_p=1.0, max_tokens=6, seed=1)
+    send(pg, "Chat A question")
+    wait_reply_state(pg, ("done", "error"))
+    chat_a = pg.evaluate("window.kaitenChat.chatId")
+    pg.click("#new-chat")
+    send(pg, "Chat B question")
+    wait_reply_state(pg, ("done", "error"))
+    chat_b = pg.evaluate("window.kaitenChat.chatId")
+    items = pg.locator("#chat-list .chat-open")
+    assert items.all_inner_texts()[:2] == ["Chat B question", "Chat A question"]   # newest first
+    assert pg.locator("#chat-list [aria-current]").inner_text() == "Chat B question"
+
+    pg.reload()
+    pg.wait_for_selector("body[data-conn=open]")
+    assert pg.evaluate("window.kaitenChat.chatId") == chat_b
+    assert pg.locator("article.msg-user .msg-body").inner_text() == "Chat B question"
+    assert pg.locator("#chat-list .chat-open").all_inner_texts()[:2] == ["Chat B question", "Chat A question"]
+
+    # Switch to A: its conversation, and the next turn goes to the server with A's history.
+    pg.locator("#chat-list .chat-open", has_text="Chat A question").click()
+    assert pg.evaluate("window.kaitenChat.chatId") == chat_a
+    assert pg.locator("article.msg-user .msg-body").all_inner_texts() == ["Chat A question"]
+    a_answer = snapshot(pg)["messages"][1]["content"]
+    send(pg, "Chat A follow-up")
+    wait_reply_state(pg, ("done", "error"))
+    req = stack.queued_request(snapshot(pg)["messages"][3]["request_id"])
+    assert req.prompt_token_ids == stack.chat_ids([
+        {"role": "user", "content": "Chat A question"}, {"role": "assistant", "content": a_answer},
+        {"role": "user", "content": "Chat A follow-up"}])
+    assert pg.locator("#chat-list .chat-open").first.inner_text() == "Chat A question"   # most recent now
+
+    # On a phone the list is a drawer behind the Chats button; picking a chat closes it.
+    pg.set_viewport_size({"width": 390, "height": 844})
+    assert not pg.locator("#chats").is_visible()
+    pg.click("#chats-toggle")
+    assert pg.locator("#chats").is_visible()
+    pg.screenshot(path=str(ARTIFACTS / "chat-phone-chats.png"))
+    pg.locator("#chat-list .chat-open", has_text="Chat B question").click()
+    assert not pg.locator("#chats").is_visible()
+    assert pg.evaluate("window.kaitenChat.chatId") == chat_b
+    pg.set_viewport_size({"width": 1280, "height": 800})
+
+    # Delete B (open), then A (open after B went): the page moves to a fresh chat; storage forgets both.
+    pg.locator("#chat-list .chat-item", has_text="Chat B question").locator(".chat-delete").click()
+    assert pg.locator("#chat-list .chat-item", has_text="Chat B question").count() == 0
+    assert pg.evaluate(f"localStorage.getItem('kaiten.chat.v2.{chat_b}')") is None
+    assert pg.evaluate("window.kaitenChat.chatId") == chat_a                      # the next most recent
+    assert pg.locator("article.msg-user .msg-body").first.inner_text() == "Chat A question"
+    pg.locator("#chat-list .chat-item", has_text="Chat A question").locator(".chat-delete").click()
+    assert pg.evaluate("window.kaitenChat.chatId") not in (chat_a, chat_b)
+    assert pg.locator("article.msg").count() == 0
+    pg.reload()
+    pg.wait_for_selector("body[data-conn=open]")
+    assert pg.locator("#chat-list .chat-item", has_text="Chat A question").count() == 0
+    assert pg.locator("#chat-list .chat-item", has_text="Chat B question").count() == 0
+
+
+def test_the_single_chat_of_older_versions_becomes_a_past_chat(browser, stack):
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    pg = context.new_page()
+    try:
+        pg.goto(stack.url)
+        legacy = {"savedAt": 1, "messages": [{"id": "u1", "role": "user", "content": "Old question"},
+                                             {"id": "a1", "role": "assistant", "content": "Old *answer*",
+                                              "state": "done"}]}
+        pg.evaluate("(v) => { localStorage.clear(); localStorage.setItem('kaiten.chat.v1', JSON.stringify(v)); }", legacy)
+        pg.reload()
+        pg.wait_for_selector("body[data-conn=open]")
+        assert pg.locator("#chat-list .chat-open").all_inner_texts() == ["Old question"]
+        assert pg.locator("article.msg-assistant .msg-body em").inner_text() == "answer"
+        assert pg.evaluate("localStorage.getItem('kaiten.chat.v1')") is None
+    finally:
+        context.close()
+
+
+def test_status_line_ignores_a_stale_answer(page, stack):
+    """A slow /v1/status answer that arrives after a newer one never overwrites it (the page once
+    read "running 1" after the reply had finished)."""
+    pg = page
+    held = []
+
+    def hold_first(route):
+        if not held:
+            held.append(route)
+        else:
+            route.continue_()
+
+    pg.wait_for_function("document.getElementById('engine-status').dataset.ok === 'true'", timeout=10_000)
+    pg.route("**/v1/status", hold_first)
+    pg.evaluate("window.kaitenChat.pollStatus()")          # held: answers late
+    pg.wait_for_timeout(100)
+    assert len(held) == 1
+    pg.evaluate("window.kaitenChat.pollStatus()")          # real: running 0
+    pg.wait_for_function("document.getElementById('engine-status').dataset.running === '0'", timeout=5_000)
+    stale = dict(stack.gateway.status(), num_requests_running=1)
+    held[0].fulfill(status=200, content_type="application/json", body=json.dumps(stale))
+    pg.wait_for_timeout(500)
+    assert pg.locator("#engine-status").get_attribute("data-running") == "0"
+    assert "running 0" in pg.inner_text("#engine-status")
+
+
+def test_status_line_reads_idle_soon_after_a_reply(page, stack):
+    pg = page
+    settings(pg, temperature=1.0, top_p=1.0, max_tokens=40, seed=2)
+    send(pg, "Count for me")
+    wait_reply_state(pg, ("done", "error"))
+    stack.wait_running(0)
+    # Without waiting for the regular two-second poll: the page polls again when a reply ends.
+    pg.wait_for_function("document.getElementById('engine-status').dataset.running === '0'", timeout=3_000)

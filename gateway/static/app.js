@@ -1,8 +1,11 @@
-/* Kaiten chat page: plain JS, no build step, no dependencies.
+/* Kaiten chat page: the conversation, the socket and the controls. Plain JS, no build step.
  *
  * Talks to the gateway over /v1/chat/ws (see .helpers/WS_PROTOCOL.md): one socket, one
  * generation at a time from this page, the whole conversation sent on every turn.
- * Model text is only ever put into the DOM with textContent / text nodes, never innerHTML.
+ * Helpers loaded before this file: markdown.js (model text to sanitized DOM), chats.js (past chats
+ * in localStorage), status.js (the status line), clipboard.js (copy buttons).
+ * User text goes into the DOM as text; model text only through KaitenMarkdown (DOMPurify).
+ * A streaming reply is re-rendered at most once per animation frame, never per token.
  *
  * Test hooks: every message is an <article class="msg" data-role=... data-state=...> where the
  * assistant's data-state is queued | streaming | done | stopped | error, plus data-finish-reason,
@@ -12,15 +15,12 @@
 (function () {
   "use strict";
 
-  var STORE_KEY = "kaiten.chat.v1";
   var SETTINGS_KEY = "kaiten.settings.v1";
   // An empty sampling field is left out of the request: the server applies the model's default
   // (its generation_config.json), which the form shows as the placeholder (from /v1/status).
   var DEFAULTS = { system: "", temperature: "", top_p: "", max_tokens: "", seed: "" };
   var BACKOFF_MIN_MS = 500;
   var BACKOFF_MAX_MS = 8000;
-  var STATUS_EVERY_MS = 2000;
-  var STATUS_HIDDEN_EVERY_MS = 10000;
   var PING_EVERY_MS = 15000;
   var PONG_TIMEOUT_MS = 6000;
   var CANCEL_GRACE_MS = 5000;
@@ -30,12 +30,20 @@
     body: document.body,
     log: $("log"), empty: $("empty"), composer: $("composer"), prompt: $("prompt"),
     send: $("send"), stop: $("stop"), newChat: $("new-chat"),
+    chatList: $("chat-list"), chatListEmpty: $("chat-list-empty"), chatsToggle: $("chats-toggle"),
     conn: $("conn"), connText: $("conn-text"), engineStatus: $("engine-status"),
     banner: $("conn-banner"), bannerText: $("conn-banner-text"), reconnectNow: $("reconnect-now"),
     settings: $("settings"), settingsToggle: $("settings-toggle"), resetSettings: $("reset-settings"),
     system: $("system"), temperature: $("temperature"), top_p: $("top_p"),
     max_tokens: $("max_tokens"), seed: $("seed"), template: $("msg-template"),
   };
+
+  // ------------------------------------------------------------------ ids
+  var idCounter = 0;
+  function newId() {
+    idCounter += 1;
+    return "c" + Date.now().toString(36) + idCounter.toString(36) + Math.random().toString(36).slice(2, 6);
+  }
 
   // ------------------------------------------------------------------ storage
   function readJSON(key) {
@@ -46,13 +54,16 @@
     try { window.localStorage.setItem(key, JSON.stringify(value)); } catch (e) { /* full or disabled */ }
   }
 
-  var convo = loadConvo();
+  var Chats = window.KaitenChats;
+  Chats.migrateLegacy(newId);
+  var chatId = Chats.current() || newId();
+  var convo = loadConvo(chatId);
   var settings = loadSettings();
   var saveTimer = null;
 
-  function loadConvo() {
-    var c = readJSON(STORE_KEY);
-    if (!c || !Array.isArray(c.messages)) return { messages: [] };
+  function loadConvo(id) {
+    var c = Chats.load(id);
+    if (!c) return { messages: [] };
     c.messages = c.messages.filter(function (m) { return m && (m.role === "user" || m.role === "assistant"); });
     // "streaming" in a fresh save is another open tab's reply in progress: shown, left alone.
     // In a stale save it is a reply whose page went away without saying so (the server aborted it).
@@ -74,11 +85,12 @@
   }
   function saveNow() {
     if (saveTimer) { clearTimeout(saveTimer); saveTimer = null; }
-    writeJSON(STORE_KEY, { savedAt: Date.now(), messages: convo.messages.map(function (m) {
+    Chats.save(chatId, convo.messages.map(function (m) {
       var o = {};
       for (var k in m) if (Object.prototype.hasOwnProperty.call(m, k) && k.charAt(0) !== "_") o[k] = m[k];
       return o;
-    }) });
+    }));
+    renderChatList();
   }
   function saveSoon() { if (!saveTimer) saveTimer = setTimeout(saveNow, 400); }
 
@@ -120,13 +132,6 @@
     return p;
   }
 
-  // ------------------------------------------------------------------ ids
-  var idCounter = 0;
-  function newId() {
-    idCounter += 1;
-    return "c" + Date.now().toString(36) + idCounter.toString(36) + Math.random().toString(36).slice(2, 6);
-  }
-
   // ------------------------------------------------------------------ rendering
   var nodes = new Map();   // message id -> article element
 
@@ -136,77 +141,33 @@
   }
   function scrollToBottom() { els.log.scrollTop = els.log.scrollHeight; }
 
-  // Markdown-ish: ``` fences become <pre><code> (whitespace kept), `inline` becomes <code>;
-  // everything else is text in a pre-wrap block. Built from text nodes only.
-  var FENCE_OPEN = /^ {0,3}(`{3,}|~{3,})[ \t]*([^`\s]*)[^`]*$/;
-  function renderRich(container, text) {
-    var frag = document.createDocumentFragment();
-    var lines = text.split("\n");
-    var textBuf = [];
-    var code = null;         // {fence, lang, lines}
-    function flushText() {
-      if (!textBuf.length) return;
-      var t = textBuf.join("\n").replace(/^\n+|\n+$/g, "");
-      textBuf = [];
-      if (!t) return;
-      var div = document.createElement("div");
-      div.className = "md-text";
-      appendInline(div, t);
-      frag.appendChild(div);
-    }
-    function flushCode(open) {
-      var pre = document.createElement("pre");
-      pre.className = "md-code" + (open ? " md-code-open" : "");
-      var c = document.createElement("code");
-      if (code.lang) { c.className = "language-" + code.lang.replace(/[^\w+#.-]/g, ""); pre.setAttribute("data-lang", code.lang); }
-      c.textContent = code.lines.join("\n");
-      pre.appendChild(c);
-      frag.appendChild(pre);
-      code = null;
-    }
-    for (var i = 0; i < lines.length; i++) {
-      var line = lines[i];
-      if (code) {
-        var trimmed = line.replace(/^ {0,3}/, "").replace(/[ \t]+$/, "");
-        if (trimmed.length >= code.fence.length && trimmed === code.fence.charAt(0).repeat(trimmed.length)) {
-          flushCode(false);
-        } else {
-          code.lines.push(line);
-        }
-        continue;
-      }
-      var m = FENCE_OPEN.exec(line);
-      if (m) {
-        flushText();
-        code = { fence: m[1], lang: m[2] || "", lines: [] };
-      } else {
-        textBuf.push(line);
-      }
-    }
-    flushText();
-    if (code) flushCode(true);   // still streaming (or never closed): show what we have
-    container.replaceChildren(frag);
+  // Streaming replies are drawn once per animation frame, however many deltas arrived since.
+  var dirty = new Set();      // messages whose text changed since the last frame
+  var frameAsked = false;
+  var counters = { deltas: 0, markdownRenders: 0 };   // read by the tests (kaitenChat.counters)
+
+  function renderSoon(m) {
+    dirty.add(m);
+    if (frameAsked) return;
+    frameAsked = true;
+    requestAnimationFrame(function () {
+      frameAsked = false;
+      var batch = Array.from(dirty);
+      dirty.clear();
+      batch.forEach(function (x) { if (nodes.has(x.id)) renderMessage(x); });
+    });
   }
-  function appendInline(el, text) {
-    var parts = text.split(/(`[^`\n]+`)/);
-    for (var i = 0; i < parts.length; i++) {
-      var p = parts[i];
-      if (!p) continue;
-      if (p.length > 2 && p.charAt(0) === "`" && p.charAt(p.length - 1) === "`") {
-        var c = document.createElement("code");
-        c.className = "md-inline";
-        c.textContent = p.slice(1, -1);
-        el.appendChild(c);
-      } else {
-        el.appendChild(document.createTextNode(p));
-      }
-    }
+
+  function renderMarkdown(body, m) {
+    counters.markdownRenders += 1;
+    window.KaitenMarkdown.render(body, m.content || "", { final: m.state !== "streaming" });
   }
 
   function fmt(x, digits) { return (typeof x === "number" && isFinite(x)) ? x.toFixed(digits) : "–"; }
   var FINISH_LABEL = { stop: "stop", length: "length (max tokens)", cancelled: "cancelled" };
 
   function renderMessage(m) {
+    dirty.delete(m);
     var el = nodes.get(m.id);
     var fresh = !el;
     if (fresh) {
@@ -221,22 +182,39 @@
     var stick = fresh || nearBottom();
     var body = el.querySelector(".msg-body");
     if (m.role === "user") {
-      body.replaceChildren(document.createTextNode(m.content));
-      el.setAttribute("data-state", "done");
+      if (!m._editing) body.replaceChildren(document.createTextNode(m.content));
+      el.setAttribute("data-state", m._editing ? "editing" : "done");
     } else {
-      renderRich(body, m.content || "");
       el.setAttribute("data-state", m.state);
+      renderMarkdown(body, m);
       body.setAttribute("aria-busy", m.state === "streaming" || m.state === "queued" ? "true" : "false");
       renderNote(el, m);
       renderStats(el, m);
       renderError(el, m);
     }
+    renderActions(el, m);
     if (fresh) {
       els.log.appendChild(el);
       els.empty.hidden = true;
     }
     if (stick) scrollToBottom();
     return el;
+  }
+
+  // Copy (any settled message), Edit (a user message), Regenerate (the last reply, once it ended).
+  function renderActions(el, m) {
+    var busy = !!activeReply();
+    var settled = m.role === "user" || m.state === "done" || m.state === "stopped" || m.state === "error";
+    var copy = el.querySelector(".act-copy");
+    var edit = el.querySelector(".act-edit");
+    var regen = el.querySelector(".act-regen");
+    copy.hidden = !settled || !m.content || !!m._editing;
+    edit.hidden = m.role !== "user" || !!m._editing;
+    edit.disabled = busy;
+    regen.hidden = m.role !== "assistant" || m !== convo.messages[convo.messages.length - 1] ||
+      (m.state !== "done" && m.state !== "stopped");
+    regen.disabled = busy;
+    el.querySelector(".msg-actions").hidden = copy.hidden && edit.hidden && regen.hidden;
   }
 
   function renderNote(el, m) {
@@ -345,6 +323,7 @@
     els.stop.hidden = !busy;
     els.send.disabled = busy;
     els.body.setAttribute("data-busy", busy ? "true" : "false");
+    convo.messages.forEach(function (m) { var el = nodes.get(m.id); if (el) renderActions(el, m); });
   }
 
   // ------------------------------------------------------------------ conversation
@@ -369,11 +348,8 @@
   function submit() {
     var text = els.prompt.value;
     if (!text.trim() || activeReply()) return false;
-    readSettingsFromForm();
     var user = { id: newId(), role: "user", content: text };
-    var params = requestParams();
-    params.system = settings.system;
-    var reply = { id: newId(), role: "assistant", content: "", state: "queued", params: params };
+    var reply = newReply();
     convo.messages.push(user, reply);
     els.prompt.value = "";
     autosize();
@@ -381,6 +357,14 @@
     enqueue(reply);
     saveNow();
     return true;
+  }
+
+  // A reply to send, with the settings in the form now.
+  function newReply() {
+    readSettingsFromForm();
+    var params = requestParams();
+    params.system = settings.system;
+    return { id: newId(), role: "assistant", content: "", state: "queued", params: params };
   }
 
   function enqueue(m) {
@@ -408,6 +392,7 @@
       m._cancelRequested = false;
       renderMessage(m);
       saveSoon();
+      window.KaitenStatus.refreshSoon();
     }
     updateControls();
   }
@@ -435,6 +420,7 @@
     renderMessage(m);
     updateControls();
     saveNow();
+    window.KaitenStatus.refreshSoon();
   }
 
   function retry(id) {
@@ -449,15 +435,152 @@
     saveNow();
   }
 
-  function newChat() {
-    var m = activeReply();
-    if (m && m.state === "streaming" && wsOpen) sendFrame({ type: "cancel", id: m.id });
+  // Answer the last question again: the last reply is replaced by a new one.
+  function regenerate() {
+    var last = convo.messages[convo.messages.length - 1];
+    if (!last || last.role !== "assistant" || activeReply()) return;
+    dropNode(last.id);
+    convo.messages.pop();
+    var reply = newReply();
+    convo.messages.push(reply);
+    enqueue(reply);
+    saveNow();
+  }
+
+  function dropNode(id) {
+    var el = nodes.get(id);
+    if (el) el.remove();
+    nodes.delete(id);
+  }
+
+  // Edit a question in place: Enter (or Send) drops everything after it and asks again.
+  function startEdit(m) {
+    var el = nodes.get(m.id);
+    if (!el || activeReply()) return;
+    m._editing = true;
+    var form = document.createElement("form");
+    form.className = "msg-edit";
+    var ta = document.createElement("textarea");
+    ta.value = m.content;
+    ta.rows = Math.min(12, m.content.split("\n").length + 1);
+    ta.setAttribute("aria-label", "Edit your message");
+    var send = button("Send", "btn btn-primary btn-small edit-send", "submit");
+    var cancel = button("Cancel", "btn btn-small edit-cancel", "button");
+    var row = document.createElement("div");
+    row.className = "msg-edit-buttons";
+    row.append(cancel, send);
+    form.append(ta, row);
+    form.addEventListener("submit", function (ev) { ev.preventDefault(); editAndResend(m, ta.value); });
+    cancel.addEventListener("click", function () { endEdit(m); });
+    ta.addEventListener("keydown", function (ev) {
+      if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && ev.keyCode !== 229) { ev.preventDefault(); editAndResend(m, ta.value); }
+      else if (ev.key === "Escape") { ev.stopPropagation(); endEdit(m); }
+    });
+    el.querySelector(".msg-body").replaceChildren(form);
+    renderMessage(m);
+    ta.focus();
+    ta.setSelectionRange(ta.value.length, ta.value.length);
+  }
+  function endEdit(m) {
+    m._editing = false;
+    renderMessage(m);
+    var el = nodes.get(m.id);
+    if (el) el.querySelector(".act-edit").focus();
+  }
+  function button(text, cls, type) {
+    var b = document.createElement("button");
+    b.type = type;
+    b.className = cls;
+    b.textContent = text;
+    return b;
+  }
+
+  function editAndResend(m, text) {
+    var i = convo.messages.indexOf(m);
+    if (!text.trim() || i < 0 || activeReply()) return;
+    m._editing = false;
+    m.content = text;
+    convo.messages.slice(i + 1).forEach(function (x) { dropNode(x.id); });
+    convo.messages = convo.messages.slice(0, i + 1);
+    renderMessage(m);
+    var reply = newReply();
+    convo.messages.push(reply);
+    enqueue(reply);
+    saveNow();
+  }
+
+  // ------------------------------------------------------------------ past chats
+  function renderChatList() {
+    var frag = document.createDocumentFragment();
+    Chats.list().forEach(function (c) {
+      var li = document.createElement("li");
+      li.className = "chat-item";
+      li.setAttribute("data-chat-id", c.id);
+      var open = button(c.title, "chat-open", "button");
+      open.title = c.title;
+      if (c.id === chatId) open.setAttribute("aria-current", "true");
+      var del = button("×", "chat-delete", "button");
+      del.title = "Delete chat";
+      del.setAttribute("aria-label", "Delete chat: " + c.title);
+      li.append(open, del);
+      frag.appendChild(li);
+    });
+    els.chatList.replaceChildren(frag);
+    els.chatListEmpty.hidden = els.chatList.children.length > 0;
+  }
+
+  // Leave the open chat: a reply still in progress stops there (the server is told to cancel it).
+  function leaveChat() {
+    var changed = !!saveTimer;
+    byId.forEach(function (m) {
+      if (m.state === "streaming" && wsOpen) sendFrame({ type: "cancel", id: m.id });
+      m.state = "stopped";
+      m.finish_reason = "cancelled";
+      changed = true;
+    });
     outbox.length = 0;
     byId.clear();
-    convo = { messages: [] };
-    saveNow();
+    if (changed) saveNow();
+  }
+
+  function showChat(id) {
+    chatId = id;
+    Chats.setCurrent(id);
+    convo = loadConvo(id);
+    resumeQueued();
     renderAll();
+    renderChatList();
+    closeChats();
+    if (wsOpen) flushOutbox();
+  }
+
+  // Replies saved while offline ("queued") are sent when the socket is open.
+  function resumeQueued() {
+    convo.messages.forEach(function (m) {
+      if (m.role === "assistant" && m.state === "queued") { byId.set(m.id, m); outbox.push(m.id); }
+    });
+  }
+
+  function openChat(id) {
+    if (id === chatId) { closeChats(); return; }
+    leaveChat();
+    showChat(id);
+  }
+
+  function newChat() {
+    leaveChat();
+    showChat(newId());
     els.prompt.focus();
+  }
+
+  function deleteChat(id) {
+    var c = Chats.list().find(function (x) { return x.id === id; });
+    if (!c || !window.confirm("Delete the chat \u201c" + c.title + "\u201d?")) return;
+    if (id !== chatId) { Chats.remove(id); renderChatList(); return; }
+    leaveChat();
+    Chats.remove(id);
+    var next = Chats.list()[0];
+    showChat(next ? next.id : newId());
   }
 
   // ------------------------------------------------------------------ frames from the server
@@ -474,10 +597,11 @@
         break;
       case "delta":
         if (typeof f.content === "string" && f.content) {
+          counters.deltas += 1;
           if (m._firstAt == null) m._firstAt = performance.now();
           m.content += f.content;
           if (m.state !== "streaming") m.state = "streaming";
-          renderMessage(m);
+          renderSoon(m);
           saveSoon();
         }
         break;
@@ -495,6 +619,7 @@
         renderMessage(m);
         updateControls();
         saveNow();
+        window.KaitenStatus.refreshSoon();
         break;
       case "error":
         var err = f.error || {};
@@ -506,6 +631,7 @@
         renderMessage(m);
         updateControls();
         saveNow();
+        window.KaitenStatus.refreshSoon();
         break;
     }
   }
@@ -643,12 +769,12 @@
     }
   }, PING_EVERY_MS);
 
-  // Another tab changed the conversation: follow it unless this one is in the middle of a reply.
+  // Another tab changed the chats: list them again, and follow the open chat unless this tab is in
+  // the middle of a reply.
   window.addEventListener("storage", function (ev) {
-    if (ev.key !== STORE_KEY || byId.size || outbox.length) return;
-    var c = readJSON(STORE_KEY);
-    if (!c || !Array.isArray(c.messages)) return;
-    convo = { messages: c.messages.filter(function (m) { return m && m.id && (m.role === "user" || m.role === "assistant"); }) };
+    if (ev.key === Chats.INDEX_KEY) renderChatList();
+    if (!Chats.isChatKey(ev.key, chatId) || byId.size || outbox.length) return;
+    convo = loadConvo(chatId);
     renderAll();
   });
   window.addEventListener("online", reconnectSoon);
@@ -659,48 +785,15 @@
   });
   window.addEventListener("pageshow", function (ev) { if (ev.persisted) { unloading = false; reconnectSoon(); } });
   document.addEventListener("visibilitychange", function () {
-    if (document.visibilityState === "visible") { if (!ws) reconnectSoon(); pollStatus(); }
+    if (document.visibilityState === "visible" && !ws) reconnectSoon();
   });
 
-  // ------------------------------------------------------------------ status line
-  var statusTimer = null;
-  function pollStatus() {
-    clearTimeout(statusTimer);
-    var ctl = "AbortController" in window ? new AbortController() : null;
-    var t = setTimeout(function () { if (ctl) ctl.abort(); }, 4000);
-    fetch("/v1/status", { cache: "no-store", signal: ctl ? ctl.signal : undefined })
-      .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
-      .then(renderStatus)
-      .catch(function () {
-        els.engineStatus.textContent = "Status unavailable";
-        els.engineStatus.setAttribute("data-ok", "false");
-      })
-      .then(function () {
-        clearTimeout(t);
-        statusTimer = setTimeout(pollStatus, document.visibilityState === "hidden" ? STATUS_HIDDEN_EVERY_MS : STATUS_EVERY_MS);
-      });
-  }
+  // The sampling fields' placeholders: the model's defaults, which an empty field leaves to the server.
   function showServerDefaults(d) {
     if (!d) return;
     els.temperature.placeholder = "model default " + d.temperature;
     els.top_p.placeholder = "model default " + d.top_p;
     els.max_tokens.placeholder = d.max_tokens != null ? "model default " + d.max_tokens : "up to the context";
-  }
-  function renderStatus(s) {
-    showServerDefaults(s.generation_defaults);
-    var e = els.engineStatus;
-    e.setAttribute("data-ok", "true");
-    e.setAttribute("data-running", String(s.num_requests_running));
-    e.setAttribute("data-waiting", String(s.num_requests_waiting));
-    var parts = [s.model || "model ?"];
-    if (!s.engines) parts.push("no engine");
-    else {
-      if (s.engines > 1) parts.push(s.engines + " engines");
-      parts.push("running " + (s.num_requests_running | 0));
-      parts.push("waiting " + (s.num_requests_waiting | 0));
-      parts.push("KV " + Math.round(100 * (Number(s.kv_cache_usage) || 0)) + "%");
-    }
-    e.textContent = parts.join(" · ");
   }
 
   // ------------------------------------------------------------------ composer and controls
@@ -719,6 +812,39 @@
   els.composer.addEventListener("submit", function (ev) { ev.preventDefault(); submit(); els.prompt.focus(); });
   els.stop.addEventListener("click", function () { stop(); els.prompt.focus(); });
   els.newChat.addEventListener("click", newChat);
+  els.log.addEventListener("click", function (ev) {
+    var btn = ev.target.closest("button");
+    if (!btn) return;
+    if (btn.classList.contains("code-copy")) {
+      window.KaitenClipboard.copyFrom(btn, btn.closest(".code-block").querySelector("pre code").textContent);
+      return;
+    }
+    var art = btn.closest("article.msg");
+    var m = art && convo.messages.find(function (x) { return x.id === art.getAttribute("data-id"); });
+    if (!m) return;
+    if (btn.classList.contains("act-copy")) window.KaitenClipboard.copyFrom(btn, m.content);
+    else if (btn.classList.contains("act-edit")) startEdit(m);
+    else if (btn.classList.contains("act-regen")) regenerate();
+  });
+  els.chatList.addEventListener("click", function (ev) {
+    var btn = ev.target.closest("button");
+    var li = btn && btn.closest("li[data-chat-id]");
+    if (!li) return;
+    var id = li.getAttribute("data-chat-id");
+    if (btn.classList.contains("chat-delete")) deleteChat(id);
+    else openChat(id);
+  });
+  els.chatsToggle.addEventListener("click", function () {
+    var open = !els.body.classList.contains("chats-open");
+    els.body.classList.toggle("chats-open", open);
+    els.chatsToggle.setAttribute("aria-expanded", open ? "true" : "false");
+    if (open) { var cur = els.chatList.querySelector("[aria-current]") || els.chatList.querySelector("button"); if (cur) cur.focus(); }
+  });
+  function closeChats() {
+    if (!els.body.classList.contains("chats-open")) return;
+    els.body.classList.remove("chats-open");
+    els.chatsToggle.setAttribute("aria-expanded", "false");
+  }
   els.reconnectNow.addEventListener("click", reconnectSoon);
   ["system", "temperature", "top_p", "max_tokens", "seed"].forEach(function (k) {
     els[k].addEventListener("change", readSettingsFromForm);
@@ -742,7 +868,8 @@
     els.settingsToggle.focus();
   }
   $("settings-close").addEventListener("click", closeSettings);
-  document.addEventListener("keydown", function (ev) { if (ev.key === "Escape") closeSettings(); });
+  $("chats-close").addEventListener("click", function () { closeChats(); els.chatsToggle.focus(); });
+  document.addEventListener("keydown", function (ev) { if (ev.key === "Escape") { closeSettings(); closeChats(); } });
 
   // ------------------------------------------------------------------ test hook
   window.kaitenChat = {
@@ -752,18 +879,21 @@
     dropSocket: function () { if (ws) ws.close(4000, "test: drop"); },
     reconnectNow: reconnectSoon,
     snapshot: function () { return JSON.parse(JSON.stringify(convo)); },
-    render: function (el, text) { renderRich(el, text); },
+    get chatId() { return chatId; },
+    counters: counters,
+    render: function (el, text) { window.KaitenMarkdown.render(el, text); },
+    pollStatus: function () { window.KaitenStatus.poll(); },
     historyFor: function (id) { var m = convo.messages.find(function (x) { return x.id === id; }); return m ? historyBefore(m) : null; },
   };
 
   // ------------------------------------------------------------------ start
   applySettingsToForm();
-  convo.messages.forEach(function (m) {
-    if (m.role === "assistant" && m.state === "queued") { byId.set(m.id, m); outbox.push(m.id); }
-  });
+  Chats.setCurrent(chatId);
+  resumeQueued();
   renderAll();
+  renderChatList();
   autosize();
   connect();
-  pollStatus();
+  window.KaitenStatus.start(els.engineStatus, function (s) { showServerDefaults(s.generation_defaults); });
   els.prompt.focus();
 })();
