@@ -4,7 +4,7 @@
 #   docker compose --profile cpu up -d --scale gateway=3
 # and drives it through nginx with real clients (scripts/compose_check.py), then `down -v`.
 #   bash scripts/compose-check.sh        (as root; needs .venv from scripts/setup.sh test)
-# Starts dockerd (scripts/dockerd.sh) when none answers, and stops it at the end. The Docker data
+# Starts dockerd on its own socket (scripts/dockerd.sh) when none answers, and stops it at the end. The Docker data
 # root, the Debian root filesystem and the torch wheel stay in $KAITEN_CACHE_DIR (default
 # ~/.cache/kaiten), so a second run rebuilds nothing that is unchanged. Exits non-zero on failure,
 # with the build log's tail or the containers' state and logs.
@@ -43,9 +43,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-if ! timeout 10 docker info >/dev/null 2>&1; then
-  bash scripts/dockerd.sh start || die "no Docker engine"
-  STARTED_DOCKERD=1
+if ! timeout 10 docker info >/dev/null 2>&1; then   # the machine's engine, else Kaiten's own
+  DOCKER_HOST=$(bash scripts/dockerd.sh host)
+  export DOCKER_HOST
+  if ! timeout 10 docker info >/dev/null 2>&1; then
+    bash scripts/dockerd.sh start || die "no Docker engine"
+    STARTED_DOCKERD=1
+  fi
 fi
 
 if timeout 10 docker compose version >/dev/null 2>&1; then

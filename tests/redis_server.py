@@ -3,7 +3,9 @@
 The container runs the official redis:7-alpine where it is present or can be pulled, else the local
 stand-in scripts/compose-check.sh builds from Debian (kaiten-local/redis:7); with neither, the
 process. Its port is published on 127.0.0.1 only. KAITEN_TEST_REDIS=docker or =process insists on
-one way (CI runs both); the default, auto, takes the container where it can.
+one way (CI runs both); the default, auto, takes the container where it can. On a machine without
+an engine, Kaiten's own (scripts/dockerd.sh, on its own socket) serves when named:
+    bash scripts/dockerd.sh start && DOCKER_HOST=$(bash scripts/dockerd.sh host) KAITEN_TEST_REDIS=docker pytest
 
 Ryuk, testcontainers' reaper, is an image on Docker Hub: it is used only where it is present, else
 disabled, and RedisServer.stop() removes its container itself (testcontainers labels each one, so a
