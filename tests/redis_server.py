@@ -8,8 +8,8 @@ an engine, Kaiten's own (scripts/dockerd.sh, on its own socket) serves when name
     bash scripts/dockerd.sh start && DOCKER_HOST=$(bash scripts/dockerd.sh host) KAITEN_TEST_REDIS=docker pytest
 
 Ryuk, testcontainers' reaper, is an image on Docker Hub: it is used only where it is present, else
-disabled, and RedisServer.stop() removes its container itself (testcontainers labels each one, so a
-run killed half-way leaves them findable: docker ps -a -f label=org.testcontainers).
+disabled, and RedisServer.stop() removes its container itself (each is named after the test
+process, so a run killed half-way leaves them findable: docker ps -a -f name=kaiten-test-redis-).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def free_port() -> int:
 OFFICIAL_IMAGE = "redis:7-alpine"
 LOCAL_IMAGE = "kaiten-local/redis:7"
 MODES = ("auto", "docker", "process")
+CONTAINER_PREFIX = "kaiten-test-redis-"   # then the test process's pid: docker ps -f name=kaiten-test-redis-PID-
 
 
 def docker_available() -> bool:
@@ -127,7 +128,9 @@ class RedisServer:
         if self.use_docker:
             from testcontainers.core.container import DockerContainer
             _disable_ryuk_unless_present()
-            self._container = DockerContainer(self.image).with_command('redis-server --save "" --appendonly no')
+            self._container = (DockerContainer(self.image)
+                               .with_name(f"{CONTAINER_PREFIX}{os.getpid()}-{self.port}-{time.monotonic_ns()}")
+                               .with_command('redis-server --save "" --appendonly no'))
             self._container.ports["6379/tcp"] = ("127.0.0.1", self.port)   # published on loopback only
             self._container.start()
         else:

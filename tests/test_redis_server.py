@@ -1,6 +1,8 @@
 """tests/redis_server.py: the tests' Redis as a container (testcontainers) or a process, by KAITEN_TEST_REDIS."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import redis
 
@@ -55,6 +57,7 @@ def test_docker_mode_runs_a_container_published_on_loopback_and_removes_it(mode)
         assert server.use_docker
         container = client.containers.get(server._container.get_wrapped_container().id)
         assert container.image.tags[0] in (redis_server.OFFICIAL_IMAGE, redis_server.LOCAL_IMAGE)
+        assert container.name.startswith(f"{redis_server.CONTAINER_PREFIX}{os.getpid()}-")
         binding = container.attrs["HostConfig"]["PortBindings"]["6379/tcp"][0]
         assert binding == {"HostIp": "127.0.0.1", "HostPort": str(server.port)}
         _roundtrip(server)
