@@ -37,5 +37,5 @@ def redis_url(redis_server):
 
 
 def pytest_report_header(config):
-    from tests.redis_server import docker_available
-    return f"redis: {'testcontainers (a Docker engine answers)' if docker_available() else 'redis-server process'}"
+    from tests.redis_server import describe
+    return f"redis: {describe()}"
