@@ -6,7 +6,7 @@ and how many tokens are computed twice.
     .venv/bin/python bench/failover.py --model DIR --num-requests 8 --max-tokens 160
 
 Starts a private redis-server, two `kaiten engine` processes and one `kaiten gateway`, with the
-shipped settings (heartbeat 1 s, failover_timeout 2 s; engines on --num-threads torch threads).
+shipped settings (heartbeat and failover_timeout as shipped; engines on --num-threads torch threads).
 Round 1: N concurrent greedy streaming /v1/completions requests (ignore_eos); once every stream
 has --signal-after tokens, SIGKILL the engine serving most of them. Round 2: start a replacement
 engine, so two run again; new prompts; SIGTERM the engine serving most. Per moved request: the
@@ -51,7 +51,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import cpu_name, load_avg  # noqa: E402
 from shared import names  # noqa: E402
+from shared.config import GatewayConfig, WorkerConfig  # noqa: E402
 from shared.launcher import free_port, start_local_redis  # noqa: E402
+
+HEARTBEAT_S, FAILOVER_S = WorkerConfig().heartbeat_interval, GatewayConfig().failover_timeout
 
 RESULTS = ROOT / "bench" / "results"
 TOPICS = ["a lighthouse keeper", "the first city on Mars", "a clockmaker's apprentice", "a dragon who hates gold",
@@ -68,6 +71,7 @@ class Stack:
     model: str
     num_threads: int
     step_delay: float
+    dtype: str = "auto"
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kaiten-bench-failover-")))
     redis: object = None
     redis_url: str = ""
@@ -91,7 +95,7 @@ class Stack:
     def start_engine(self, engine_id: str) -> None:
         """`kaiten engine` (or, with a step delay, the same engine with every step slowed: tests/slow_engine.py)."""
         flags = ["--model", self.model, "--redis-url", self.redis_url, "--engine-id", engine_id,
-                 "--num-threads", str(self.num_threads), "--log-level", "INFO"]
+                 "--num-threads", str(self.num_threads), "--dtype", self.dtype, "--log-level", "INFO"]
         head = ["-m", "tests.slow_engine", str(self.step_delay), "-"] if self.step_delay else ["-m", "shared.cli",
                                                                                                 "engine"]
         self.engines[engine_id] = self._spawn(engine_id, [sys.executable, *head, *flags])
@@ -306,10 +310,11 @@ async def run_round(stack: Stack, tap: ReplyTap, r, rnd: Round, prompts: list[li
         stack.signalled.add(rnd.victim)
         stack.engines[rnd.victim].send_signal(sig)
         t_sig = time.monotonic()
+        exited = asyncio.ensure_future(exit_time(stack.engines[rnd.victim], t_sig))   # watched from now on
         print(f"{rnd.name} -> {rnd.victim} (placed {rnd.placed})", flush=True)
         streams = await asyncio.gather(*tasks)
     rnd.order = [s.request_id for s in streams]
-    rnd.victim_exit_s = await exit_time(stack.engines[rnd.victim], t_sig)
+    rnd.victim_exit_s = await exited
     survivors = [e for e in live if e != rnd.victim]
     await no_pending_entries(r, args.timeout)
     after = fresh_heartbeats(r, survivors)
@@ -435,7 +440,7 @@ def make_prompts(model: str, n: int, offset: int) -> list[list[int]]:
 def reference_tokens(model: str, prompts: list[list[int]], args) -> list[list[int]]:
     """The uninterrupted greedy run: the offline engine in this process (after the served rounds)."""
     from engine_worker import LLM, SamplingParams
-    llm = LLM(model, num_threads=args.num_threads)
+    llm = LLM(model, num_threads=args.num_threads, dtype=args.dtype)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
     return [list(c.token_ids) for c in outs]
 
@@ -459,8 +464,8 @@ def render(rep: dict) -> str:
     f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [f"# Failover: {rep['model']}, {a['num_requests']} streams per round", "",
              f"`{rep['command']}`", "",
-             f"Two engines ({a['num_threads']} torch thread(s) each) and one gateway, shipped settings (heartbeat "
-             f"1 s, failover_timeout 2 s), on {rep['cpu']} ({rep['cores']} cores, load average "
+             f"Two engines ({a['num_threads']} torch thread(s) each, dtype {a.get('dtype', 'auto')}) and one "
+             f"gateway, shipped settings (heartbeat {HEARTBEAT_S:g} s, failover_timeout {FAILOVER_S:g} s), on {rep['cpu']} ({rep['cores']} cores, load average "
              f"{rep['load_avg_before']} before); {rep['date']}. Each round: {a['num_requests']} concurrent greedy "
              f"streaming /v1/completions requests of {a['max_tokens']} tokens (ignore_eos); once every stream has "
              f"{a['signal_after']} tokens, the engine serving most of them gets the signal. Round 2 first starts "
@@ -508,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--signal-after", type=int, default=32, help="tokens every stream has before the signal")
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads per engine (two share the cores)")
+    ap.add_argument("--dtype", default="auto", help="the engines' and the reference's dtype (float32: greedy "
+                    "output is batch-independent, so every stream can equal the uninterrupted run)")
     ap.add_argument("--step-delay", type=float, default=None, help="slow every engine step to this many s "
                     "(tests/slow_engine.py; --quick: 0.02)")
     ap.add_argument("--no-reference", action="store_true", help="skip the uninterrupted offline run")
@@ -537,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = {"command": cmd.strip(), "model": Path(args.model).name, "cpu": cpu_name(), "cores": os.cpu_count(),
            "load_avg_before": load_avg(), "date": time.strftime("%Y-%m-%d %H:%M"),
            "args": {k: v for k, v in vars(args).items() if k != "seen"}, "rounds": []}
-    stack = Stack(args.model, args.num_threads, args.step_delay)
+    stack = Stack(args.model, args.num_threads, args.step_delay, args.dtype)
     print(f"logs: {stack.workdir}", flush=True)
     try:
         rep["rounds"], prompts, tokens = run_rounds(stack, args)

@@ -110,7 +110,8 @@ class EngineConfig(_EnvConfig):
 class WorkerConfig(_EnvConfig):
     redis_url: str = DEFAULT_REDIS_URL
     engine_id: str = ""                  # "" -> hostname-pid-random
-    heartbeat_interval: float = 1.0      # seconds between heartbeats
+    heartbeat_interval: float = 0.5      # seconds between heartbeats (gateways move a silent engine's
+                                         # requests after 2.5 of them at least: GatewayConfig.failover_timeout)
     heartbeat_ttl: float = 5.0           # heartbeat key TTL; a worker silent this long is dead
     claim_idle_ms: int = 10_000          # janitor claims entries idle this long (dead worker's)
     max_deliveries: int = 3              # after this many deliveries an entry is dead-lettered
@@ -140,7 +141,7 @@ class GatewayConfig(_EnvConfig):
     max_n: int = 16
     request_timeout: float = 600.0       # server-side deadline per request (seconds)
     engine_timeout: float = 10.0         # no heartbeat from any engine this long -> error
-    failover_timeout: float = 2.0        # a request's engine silent this long -> move the request
+    failover_timeout: float = 1.5        # a request's engine silent this long -> move the request
                                          # to another engine (at least 2.5 heartbeat intervals)
     max_failovers: int = 2               # moves per request; then the client gets engine_lost
     redis_grace: float = 10.0            # reply channel lost (a Redis restart): continue the requests
