@@ -63,9 +63,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if not config.model:
-            from shared.gguf_convert import ensure_default_model
-            config = config.with_overrides(model=str(ensure_default_model()))
+        from shared.model_source import resolve_model
+        config = config.with_overrides(model=str(resolve_model(config.model)))
         config = config.with_overrides(max_num_batched_tokens=config.token_budget())
         self.config = config
         self.model_name = Path(config.model).name

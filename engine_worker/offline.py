@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
+import os
+import sys
 from dataclasses import dataclass, field
 
 from engine_worker.llm_engine import LLMEngine, RequestOutput
@@ -88,12 +91,21 @@ def _accumulate(c: Completion, out: RequestOutput) -> None:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kaiten generate", description="Generate offline with the engine.")
     ap.add_argument("prompt", nargs="+", help="chat messages from the user, one request each")
-    ap.add_argument("--model", default="", help="model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=os.environ.get("KAITEN_MODEL", ""),
+                    help="a model directory, a GGUF file or a Hugging Face repo id in the local cache "
+                         "(env KAITEN_MODEL; default: the default SmolLM2)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype)
+    logging.basicConfig(level=os.environ.get("KAITEN_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from shared.model_source import ModelNotFoundError
+    try:
+        llm = LLM(args.model, dtype=args.dtype)
+    except ModelNotFoundError as e:
+        print(f"kaiten generate: {e}", file=sys.stderr)
+        return 2
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for prompt in args.prompt:
         out = llm.chat([{"role": "user", "content": prompt}], params)

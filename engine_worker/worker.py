@@ -374,7 +374,8 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip: set[str]) -
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kaiten engine", description="Run one engine worker on the Redis request stream.")
-    parser.add_argument("--model", default=None, help="model directory (env KAITEN_MODEL; empty: the default model)")
+    parser.add_argument("--model", default=None, help="a model directory, a GGUF file or a Hugging Face repo id "
+                        "in the local cache (env KAITEN_MODEL; default: the default SmolLM2)")
     parser.add_argument("--redis-url", dest="redis_url", default=None, help="Redis URL (env REDIS_URL)")
     parser.add_argument("--engine-id", dest="engine_id", default=None,
                         help="consumer name; stable per deployment (env KAITEN_ENGINE_ID; default: hostname)")
@@ -390,9 +391,9 @@ def configs_from_args(args: argparse.Namespace, resolve_model: bool = True) -> t
     kw = vars(args)
     ecfg = EngineConfig.from_env().with_overrides(**{f.name: kw.get(f.name) for f in dataclasses.fields(EngineConfig)})
     wcfg = WorkerConfig.from_env().with_overrides(**{f.name: kw.get(f.name) for f in dataclasses.fields(WorkerConfig)})
-    if not ecfg.model and resolve_model:
-        from shared.gguf_convert import ensure_default_model
-        ecfg = ecfg.with_overrides(model=str(ensure_default_model()))
+    if resolve_model:
+        from shared.model_source import resolve_model as resolve
+        ecfg = ecfg.with_overrides(model=str(resolve(ecfg.model)))
     return ecfg, wcfg
 
 
@@ -412,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.healthcheck:
         return healthcheck(configs_from_args(args, resolve_model=False)[1])
-    ecfg, wcfg = configs_from_args(args)
+    from shared.model_source import ModelNotFoundError
+    try:
+        ecfg, wcfg = configs_from_args(args)
+    except ModelNotFoundError as e:
+        print(f"kaiten engine: {e}", file=sys.stderr)
+        return 2
     worker = EngineWorker(ecfg, wcfg)
     worker.install_signal_handlers()
     return worker.run()

@@ -33,9 +33,10 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from shared.config import GatewayConfig
+from shared.model_source import ModelNotFoundError
 
 from . import server_logs
-from .core import Gateway
+from .core import Gateway, resolve_model_dir
 from .errors import APIError, bad_request
 from .http_common import authorized, check_auth, gateway_of, read_json, token_from
 from .json_body import parse_json
@@ -406,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kaiten gateway", description="Run one OpenAI-compatible gateway.")
     p.add_argument("--host", default=None, help="bind address (env KAITEN_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (env KAITEN_PORT, default 8000)")
-    p.add_argument("--model", default=None, help="model directory: tokenizer and served name (env KAITEN_MODEL)")
+    p.add_argument("--model", default=None, help="a model directory, a GGUF file or a Hugging Face repo id in the "
+                   "local cache: its tokenizer and served name (env KAITEN_MODEL; default: the default SmolLM2)")
     p.add_argument("--redis-url", dest="redis_url", default=None, help="Redis URL (env REDIS_URL)")
     p.add_argument("--tokenizer-url", dest="tokenizer_url", default=None,
                    help="tokenizer service URL (env TOKENIZER_URL; empty: tokenize in-process)")
@@ -466,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     # httpx logs every call to the tokenizer service at INFO: keep to uvicorn's one line per request.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     config = config_from_args(args)
+    try:
+        config = config.with_overrides(model=resolve_model_dir(config.model))
+    except ModelNotFoundError as e:
+        print(f"kaiten gateway: {e}", file=sys.stderr)
+        return 2
     app = create_app(config)
     # uvicorn handles SIGTERM/SIGINT while it serves (graceful shutdown), then restores these
     # handlers and re-raises the signal: a no-op here, so a clean stop exits 0.

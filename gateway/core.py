@@ -36,13 +36,10 @@ DEFAULT_MAX_MODEL_LEN = 2048
 
 
 def resolve_model_dir(model: str) -> str:
-    if model:
-        return model
-    try:
-        from shared.gguf_convert import ensure_default_model
-    except ImportError as e:
-        raise RuntimeError("no --model given and the default model is not available") from e
-    return str(ensure_default_model())
+    """--model as a directory: a directory, a GGUF file (converted once), a cached HF repo id, or ""
+    for the default model (shared.model_source)."""
+    from shared.model_source import resolve_model
+    return str(resolve_model(model))
 
 
 def load_chat_template(value: str) -> str | None:

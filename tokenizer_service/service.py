@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -175,11 +176,10 @@ def create_app(tokenizer: ChatTokenizer, model_name: str | None = None) -> Starl
 
 
 def load_app(model_dir: str = "") -> Starlette:
-    """Load the tokenizer from `model_dir` ("" -> the default model) and build the app."""
-    if not model_dir:
-        from shared.gguf_convert import ensure_default_model
-        model_dir = str(ensure_default_model())
-    return create_app(ChatTokenizer.from_pretrained(model_dir))
+    """Load the tokenizer of the model `model_dir` names (shared.model_source; "": the default
+    model) and build the app."""
+    from shared.model_source import resolve_model
+    return create_app(ChatTokenizer.from_pretrained(str(resolve_model(model_dir))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kaiten tokenizer", description="Run the tokenizer service.")
     p.add_argument("--host", default=None, help="bind address (env KAITEN_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (env KAITEN_PORT; default 8001)")
-    p.add_argument("--model", default=None, help="model directory (env KAITEN_MODEL; default: SmolLM2)")
+    p.add_argument("--model", default=None, help="a model directory, a GGUF file or a Hugging Face repo id in "
+                   "the local cache (env KAITEN_MODEL; default: the default SmolLM2)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = p.parse_args(argv)
     cfg = TokenizerServiceConfig.from_env().with_overrides(host=args.host, port=args.port, model=args.model)
@@ -196,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    app = load_app(cfg.model)
+    from shared.model_source import ModelNotFoundError
+    try:
+        app = load_app(cfg.model)
+    except ModelNotFoundError as e:
+        print(f"kaiten tokenizer: {e}", file=sys.stderr)
+        return 2
     log.info("tokenizer service on http://%s:%d", cfg.host, cfg.port)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, access_log=False)
     return 0
