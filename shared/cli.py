@@ -5,12 +5,13 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "up": ("shared.launcher", "Run redis (if needed), tokenizer, one engine worker and one gateway"),
+    "serve": ("shared.launcher", "Serve MODEL: Redis (if needed), one engine worker and one gateway, like vllm serve"),
+    "up": ("shared.launcher", "The same as serve"),
     "engine": ("engine_worker.worker", "Run one engine worker on a Redis stream"),
     "gateway": ("gateway.app", "Run one OpenAI-compatible gateway"),
     "tokenizer": ("tokenizer_service.service", "Run the tokenizer service"),
     "generate": ("engine_worker.offline", "Generate offline, without Redis (the engine as a library)"),
-    "convert": ("shared.gguf_convert", "Convert the default SmolLM2 GGUF into a model directory"),
+    "convert": ("shared.gguf_convert", "Convert the default model or a GGUF file into a model directory, once"),
 }
 
 
@@ -24,8 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: kaiten [--version] {" + ",".join(SUBCOMMANDS) + "} [options]\n")
         for name, (_, text) in SUBCOMMANDS.items():
             print(f"  {name:<10} {text}")
+        print("\n  kaiten COMMAND --help    that command's flags")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+    if module.__name__ == "shared.launcher":
+        return module.main(argv[1:], prog=f"kaiten {argv[0]}") or 0
     return module.main(argv[1:]) or 0
 
 

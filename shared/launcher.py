@@ -1,8 +1,9 @@
-"""`kaiten up`: the whole server on one machine.
+"""`kaiten serve` (alias `kaiten up`): the whole server on one machine, like `vllm serve`.
 
-    kaiten up [--host H] [--port P] [--model DIR] [--redis-url URL]
+    kaiten serve [MODEL] [--host H] [--port P] [--redis-url URL] [vLLM-style flags]
 
-1. ensures the default model (once) unless ``--model`` is given;
+1. resolves the model (``shared.model_source``: a directory, a GGUF file converted once, a repo id
+   in the local Hugging Face cache, or the default SmolLM2 converted once);
 2. starts a local ``redis-server`` on a free port (no persistence) unless ``REDIS_URL``/``--redis-url``
    is given;
 3. runs one ``kaiten engine`` and one ``kaiten gateway`` as child processes (the gateway tokenizes
@@ -34,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.generation_defaults import GenerationDefaults, load_generation_defaults
+from shared.model_source import ModelNotFoundError, resolve_model
 from shared.up_flags import EPILOG, add_child_flags, child_args, child_env
 from shared.version import kaiten_version
 
-log = logging.getLogger("kaiten.up")
+log = logging.getLogger("kaiten.serve")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -225,25 +227,45 @@ def banner(base: str, name: str, defaults: GenerationDefaults, keyed: bool = Fal
             f"Ctrl-C stops it.\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kaiten up", description="Run Redis (if needed), one engine worker and "
-                                "one gateway; Ctrl-C stops them all.", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def _env(name: str, default, typ=str):
+    raw = os.environ.get(name, "")
+    return typ(raw) if raw else default
+
+
+def build_parser(prog: str = "kaiten serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run Redis (if needed), one engine worker and one gateway "
+                                "for MODEL; Ctrl-C stops them all. `kaiten serve` and `kaiten up` are the same "
+                                "command.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"kaiten {kaiten_version()}")
-    p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    p.add_argument("--model", default=os.environ.get("KAITEN_MODEL", ""),
-                   help="model directory (env KAITEN_MODEL; default: the default SmolLM2, converted once)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a model directory, a GGUF file (converted once into KAITEN_MODELS_DIR) or a Hugging Face "
+                        "repo id in the local cache (env KAITEN_MODEL; default: the default SmolLM2, converted once)")
+    p.add_argument("--model", default=None, help="the same as MODEL (env KAITEN_MODEL)")
+    p.add_argument("--host", default=_env("KAITEN_HOST", "127.0.0.1"),
+                   help="gateway address (env KAITEN_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=_env("KAITEN_PORT", 8000, int),
+                   help="gateway port (env KAITEN_PORT, default 8000)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
                    help="use this Redis instead of starting one (env REDIS_URL)")
-    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the gateway's /ready")
-    p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each child gets to stop")
+    p.add_argument("--ready-timeout", type=float, default=_env("KAITEN_READY_TIMEOUT", 900.0, float),
+                   help="seconds to wait for the gateway's /ready (env KAITEN_READY_TIMEOUT, default 900)")
+    p.add_argument("--stop-timeout", type=float, default=_env("KAITEN_STOP_TIMEOUT", 20.0, float),
+                   help="seconds each child gets to stop (env KAITEN_STOP_TIMEOUT, default 20)")
     add_child_flags(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+def model_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """MODEL or --model (not two different ones), else KAITEN_MODEL, else "" (the default model)."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    return args.model_tag or args.model or os.environ.get("KAITEN_MODEL", "")
+
+
+def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    spec = model_spec(args, parser)
     logging.basicConfig(level=(args.log_level or os.environ.get("KAITEN_LOG_LEVEL", "INFO")).upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sup = Supervisor(stop_timeout=args.stop_timeout)
@@ -257,20 +279,17 @@ def main(argv: list[str] | None = None) -> int:
 
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
     if not port_is_free(args.host if args.host not in ("",) else "0.0.0.0", args.port):
-        print(f"kaiten up: port {args.port} on {args.host} is in use; pick another with --port", file=sys.stderr)
+        print(f"{prog}: port {args.port} on {args.host} is in use; pick another with --port", file=sys.stderr)
         return 2
 
-    model = args.model
-    if not model:
-        from shared.gguf_convert import ensure_default_model
-        log.info("making sure the default model is converted (first run only)")
-        model = str(ensure_default_model())
+    try:
+        model = str(resolve_model(spec))
+    except ModelNotFoundError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
     if sup.stopping.is_set():
         return 130
-    model = str(Path(model).resolve())
-    if not Path(model).is_dir():
-        print(f"kaiten up: model directory {model} does not exist", file=sys.stderr)
-        return 2
+    log.info("model: %s", model)
 
     try:
         redis_url = args.redis_url
@@ -292,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                       _child_env(KAITEN_MODEL=model, KAITEN_HOST=args.host, KAITEN_PORT=str(args.port),
                                  REDIS_URL=redis_url, TOKENIZER_URL="", **child_env(args, "gateway"))))
     except Exception as e:
-        print(f"kaiten up: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         sup.stop_all()
         return 1
 

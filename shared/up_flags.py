@@ -1,6 +1,6 @@
-"""The flags `kaiten up` hands on to its children, named as in `vllm serve`.
+"""The flags `kaiten serve` (alias `up`) hands on to its children, named as in `vllm serve`.
 
-Each flag is given to one child as the same flag, only when it was given to `up`; otherwise the
+Each flag is given to one child as the same flag, only when it was given to `serve`; otherwise the
 child reads its ``KAITEN_*`` variable from the environment it inherits. The API key travels in the
 gateway's environment (``KAITEN_API_KEYS``), never on a command line that `ps` shows.
 """
@@ -66,7 +66,7 @@ def add_child_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def child_args(args: argparse.Namespace, child: str) -> list[str]:
-    """The flags given to `up` that belong to `child`, as that child's command-line arguments."""
+    """The flags given to `serve` that belong to `child`, as that child's command-line arguments."""
     out: list[str] = []
     for f in CHILD_FLAGS:
         value = getattr(args, f.dest)
@@ -79,17 +79,17 @@ def child_args(args: argparse.Namespace, child: str) -> list[str]:
 
 
 def child_env(args: argparse.Namespace, child: str) -> dict[str, str]:
-    """Environment entries `child` gets from `up`'s flags (the API keys, for the gateway)."""
+    """Environment entries `child` gets from `serve`'s flags (the API keys, for the gateway)."""
     if child == "gateway" and args.api_key:
         return {"KAITEN_API_KEYS": ",".join(args.api_key)}
     return {}
 
 
 EPILOG = """\
-Each flag above also reads the KAITEN_* variable it names. Other variables:
-  KAITEN_MODEL        model directory (like --model)
-  KAITEN_MODELS_DIR   where the default model is converted (default ./models)
-  REDIS_URL           an existing Redis (like --redis-url)
+Each flag above also reads the variable it names. Other variables:
+  KAITEN_MODELS_DIR   where the default model and GGUF files are converted (default ./models)
+  HF_HUB_CACHE        the Hugging Face cache a repo id is looked up in (else $HF_HOME/hub,
+                      else ~/.cache/huggingface/hub); nothing is downloaded
   KAITEN_NUM_THREADS  torch CPU threads of the engine (0: one per core)
-Every field of `kaiten engine --help` and `kaiten gateway --help` has a KAITEN_* variable too.
+Every flag of `kaiten engine --help` and `kaiten gateway --help` has a KAITEN_* variable too.
 """

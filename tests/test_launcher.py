@@ -1,4 +1,4 @@
-"""`kaiten up` (shared/launcher.py): child supervision, local Redis, and the whole stack end to end."""
+"""`kaiten serve` / `kaiten up` (shared/launcher.py): child supervision, local Redis, and the whole stack end to end."""
 from __future__ import annotations
 
 import importlib.util
@@ -90,10 +90,10 @@ def test_port_helpers():
         assert not port_is_free("127.0.0.1", p)
 
 
-def _run_up(args, **kw):
+def _run_up(args, command: str = "up", **kw):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x))
     env.pop("REDIS_URL", None)
-    return subprocess.Popen([PY, "-m", "shared.cli", "up", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([PY, "-m", "shared.cli", command, *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
 
 
@@ -110,6 +110,7 @@ def test_up_fails_cleanly_when_a_child_dies(tmp_path):
     """A broken model directory: a child dies, every other child is stopped, exit code non-zero."""
     bad = tmp_path / "not-a-model"
     bad.mkdir()
+    (bad / "config.json").write_text("{}")
     proc = _run_up(["--model", str(bad), "--port", str(free_port()), "--stop-timeout", "5"])
     out, _ = proc.communicate(timeout=150)
     text = out.decode(errors="replace")
@@ -133,9 +134,9 @@ def test_up_rejects_a_busy_port():
 
 @pytest.mark.skipif(importlib.util.find_spec("gateway.app") is None,
                     reason="gateway.app not in this checkout yet")
-def test_up_serves_and_stops_on_sigint(tiny_model_dir):
+def test_serve_serves_and_stops_on_sigint(tiny_model_dir):
     port = free_port()
-    proc = _run_up(["--model", str(tiny_model_dir), "--port", str(port), "--stop-timeout", "10"])
+    proc = _run_up([str(tiny_model_dir), "--port", str(port), "--stop-timeout", "10"], command="serve")
     lines = []
     try:
         deadline = time.monotonic() + 150
@@ -252,8 +253,32 @@ def _child_pids(pid: int) -> list[int]:
     return out
 
 
+def test_serve_help_names_the_variable_of_every_flag():
+    from shared.launcher import build_parser
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest in ("help", "version"):
+            continue
+        assert "(env KAITEN_" in action.help or "(env REDIS_URL)" in action.help, (action.option_strings, action.help)
+    out = subprocess.run([PY, "-m", "shared.cli", "up", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("usage: kaiten up ") and "HF_HUB_CACHE" in out.stdout
+
+
+def test_serve_takes_the_model_as_argument_or_flag(monkeypatch, capsys):
+    from shared.launcher import build_parser, model_spec
+    parser = build_parser()
+    monkeypatch.setenv("KAITEN_MODEL", "from/env")
+    assert model_spec(parser.parse_args(["org/a"]), parser) == "org/a"
+    assert model_spec(parser.parse_args(["--model", "org/a", "--port", "1"]), parser) == "org/a"
+    assert model_spec(parser.parse_args(["--port", "1", "org/a", "--model", "org/a"]), parser) == "org/a"
+    assert model_spec(parser.parse_args([]), parser) == "from/env"
+    with pytest.raises(SystemExit) as e:
+        model_spec(parser.parse_args(["org/a", "--model", "org/b"]), parser)
+    assert e.value.code == 2 and "two models given" in capsys.readouterr().err
+
+
 def test_kaiten_version():
-    for args in (["--version"], ["up", "--version"]):
+    for args in (["--version"], ["up", "--version"], ["serve", "--version"]):
         out = subprocess.run([PY, "-m", "shared.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and out.stdout.startswith("kaiten ") and out.stdout.split()[1][0].isdigit()
 
