@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Proves the compose deployment end to end on this machine: builds the images (local Debian
-# stand-ins for redis, nginx and python:3.11-slim where Docker Hub is out of reach), runs
+# stand-ins for redis, nginx and python:3.11-slim where Docker Hub is out of reach; Kaiten's slim
+# image for the gateways and its CPU engine image with the local CPU torch wheel), runs
 #   docker compose --profile cpu up -d --scale gateway=3
 # and drives it through nginx with real clients (scripts/compose_check.py), then `down -v`.
 #   bash scripts/compose-check.sh        (as root; needs .venv from scripts/setup.sh test)
@@ -139,8 +140,15 @@ if ! ls docker/wheels/torch-2.13.0*-cp311-*.whl >/dev/null 2>&1; then
   cp -l "$CACHE"/wheels/torch-2.13.0*-cp311-*.whl docker/wheels/ 2>/dev/null \
     || cp "$CACHE"/wheels/torch-2.13.0*-cp311-*.whl docker/wheels/
 fi
-build kaiten:latest docker/Dockerfile . --build-arg BASE_IMAGE="$PYTHON_IMAGE" --build-arg FIND_LINKS=/wheels
+build kaiten:latest docker/Dockerfile . --target slim --build-arg BASE_IMAGE="$PYTHON_IMAGE"
+build kaiten-cpu:latest docker/Dockerfile . --target engine --build-arg BASE_IMAGE="$PYTHON_IMAGE" \
+  --build-arg FIND_LINKS=/wheels --build-arg ENGINE_DEVICE=cpu
 docker image prune -f >/dev/null   # the images an earlier build left untagged: the cache stays bounded
+# The slim image (gateways, tokenizer, model-init) must not carry torch, xgrammar or triton.
+docker run --rm --entrypoint python kaiten:latest -c \
+  'import importlib.util as u, sys; bad = [m for m in ("torch", "xgrammar", "triton") if u.find_spec(m)]; sys.exit(f"the slim image has {bad}" if bad else 0)' \
+  || die "the slim image carries engine dependencies"
+log "image sizes: $(docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^kaiten(-cpu)?:latest ' | sort | paste -sd, - | sed 's/,/, /g') (base $PYTHON_IMAGE: $(docker image inspect -f '{{.Size}}' "$PYTHON_IMAGE" | awk '{printf "%.0fMB", $1/1e6}'))"
 
 # ------------------------------------------------------------------ up, checks, down
 export KAITEN_HTTP_HOST=127.0.0.1

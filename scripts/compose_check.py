@@ -1,6 +1,7 @@
 """End-to-end checks of a running `docker compose --profile cpu up --scale gateway=3` (through nginx).
 
-Run by scripts/compose-check.sh, with real clients only: the openai SDK (chat streamed and not,
+Run by scripts/compose-check.sh, with real clients only: which image each service runs (the
+gateways' slim one has no torch), the openai SDK (chat streamed and not, a JSON-schema response,
 completions), a WebSocket chat, 30 concurrent streams over the 3 gateways, a gateway killed
 mid-run, `restart redis`, and finally `down -v`. Prints one line per check and a summary; exits 1
 on any failure.
@@ -94,6 +95,36 @@ def check_healthy(d: Deployment) -> str:
     wait_for("/ready through nginx", lambda: httpx.get(f"{d.base_url}/ready", timeout=5).status_code == 200, 60)
     d.model = d.client.models.list().data[0].id
     return f"3 gateways, engine-cpu, redis, nginx healthy; model {d.model}"
+
+
+def _has_module(d: Deployment, container: str, module: str) -> bool:
+    code = f"import importlib.util; print(importlib.util.find_spec({module!r}) is not None)"
+    return d.run("docker", "exec", container, "python", "-c", code).strip() == "True"
+
+
+def check_images(d: Deployment) -> str:
+    """The gateways (and model-init) run the slim image, without torch or xgrammar; the CPU engine
+    runs the CPU image, with CPU torch and xgrammar but no triton."""
+    gateway, engine = d.containers("gateway")[0], d.containers("engine-cpu")[0]
+    images = {svc: {c["Config"]["Image"] for c in d.inspect(d.containers(svc))} for svc in ("gateway", "engine-cpu")}
+    assert images == {"gateway": {"kaiten:latest"}, "engine-cpu": {"kaiten-cpu:latest"}}, images
+    assert not any(_has_module(d, gateway, m) for m in ("torch", "xgrammar", "triton")), "torch in the gateway image"
+    assert _has_module(d, engine, "xgrammar") and not _has_module(d, engine, "triton")
+    torch_version = d.run("docker", "exec", engine, "python", "-c", "import torch; print(torch.__version__)").strip()
+    assert torch_version.endswith("+cpu"), torch_version
+    return f"gateway: kaiten:latest (no torch, xgrammar, triton); engine-cpu: kaiten-cpu:latest (torch {torch_version}, no triton)"
+
+
+def check_structured_output(d: Deployment) -> str:
+    """A JSON-schema response (xgrammar compiles in the CPU engine, its CPU bitmask kernel applies it)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    resp = d.client.chat.completions.create(
+        model=d.model, messages=[{"role": "user", "content": "The capital of France, as JSON."}], max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    obj = json.loads(resp.choices[0].message.content)
+    assert set(obj) == {"city"} and isinstance(obj["city"], str), obj
+    return f"json_schema: {resp.choices[0].message.content}"
 
 
 def check_openai_chat(d: Deployment) -> str:
@@ -202,7 +233,7 @@ def check_down(d: Deployment) -> str:
     return "no container, volume or network of the project left"
 
 
-CHECKS = [check_healthy, check_openai_chat, check_completions, check_websocket, check_spread,
+CHECKS = [check_healthy, check_images, check_openai_chat, check_structured_output, check_completions, check_websocket, check_spread,
           check_kill_gateway, check_restart_redis, check_down]
 
 

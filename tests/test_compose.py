@@ -7,11 +7,13 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import tomllib
@@ -60,11 +62,21 @@ def check_config(cfg: dict) -> None:
     assert "deploy" not in services["engine-cpu"]
     assert services["engine-cpu"]["environment"]["KAITEN_DEVICE"] == "cpu"
     assert services["engine"]["environment"]["KAITEN_DEVICE"] == "cuda"
-    # The GPU engine has its own image: a CUDA base with the flash-attn extra; the CPU profile the plain one.
-    assert services["engine"]["image"] == "kaiten-gpu:latest"
-    assert services["engine"]["build"]["args"]["EXTRAS"] == "gpu"
-    assert "cuda" in services["engine"]["build"]["args"]["BASE_IMAGE"]
-    assert services["engine-cpu"]["image"] == "kaiten:latest" and "EXTRAS" not in services["engine-cpu"]["build"]["args"]
+    # Three images, each a build target of docker/Dockerfile: the slim one (no torch) for the gateway,
+    # the tokenizer service and model-init; the CPU engine's with CPU torch; the GPU engine's on a CUDA
+    # base with the flash-attn extra.
+    for name in ("gateway", "tokenizer", "model-init"):
+        assert services[name]["image"] == "kaiten:latest", name
+        assert services[name]["build"]["target"] == "slim", name
+        assert not {"TORCH_INDEX_URL", "EXTRAS", "FIND_LINKS"} & set(services[name]["build"]["args"]), name
+    gpu, cpu = services["engine"]["build"], services["engine-cpu"]["build"]
+    assert services["engine"]["image"] == "kaiten-gpu:latest" and gpu["target"] == "engine"
+    assert gpu["args"]["EXTRAS"] == "gpu" and gpu["args"]["ENGINE_DEVICE"] == "cuda"
+    assert "cuda" in gpu["args"]["BASE_IMAGE"]
+    assert services["engine-cpu"]["image"] == "kaiten-cpu:latest" and cpu["target"] == "engine"
+    assert cpu["args"]["ENGINE_DEVICE"] == "cpu" and "EXTRAS" not in cpu["args"]
+    assert "download.pytorch.org/whl/cpu" in cpu["args"]["TORCH_INDEX_URL"]     # the CPU torch wheel
+    assert "download.pytorch.org" not in gpu["args"].get("TORCH_INDEX_URL", "")   # PyPI's CUDA torch
 
     # All configuration from the environment.
     for name in KAITEN_SERVICES & set(services):
@@ -133,6 +145,8 @@ def test_docker_compose_config(tmp_path):
     assert "engine" in with_gpu and "engine-cpu" not in with_gpu
     default = active(yaml.safe_load(config("config").stdout), set())
     assert {"gateway", "redis", "nginx"} <= default and not {"engine", "engine-cpu", "tokenizer"} & default
+    with_tok = active(yaml.safe_load(config("--profile", "tokenizer", "config").stdout), {"tokenizer"})
+    assert {"tokenizer", "gateway"} <= with_tok and not {"engine", "engine-cpu"} & with_tok
     # Environment overrides reach the services.
     cfg = yaml.safe_load(config("--profile", "gpu", "config", extra_env={"KAITEN_HTTP_PORT": "9123",
                                                                        "KAITEN_KV_CACHE_MEMORY": "3GiB"}).stdout)
@@ -142,7 +156,9 @@ def test_docker_compose_config(tmp_path):
     svc = cfg["services"]
     assert svc["redis"]["image"] == "redis:7-alpine" and svc["nginx"]["image"].startswith("nginx:")
     assert svc["gateway"]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim"
-    assert not svc["gateway"]["build"]["args"]["FIND_LINKS"]
+    cpu = yaml.safe_load(config("--profile", "cpu", "config").stdout)["services"]["engine-cpu"]["build"]["args"]
+    assert not cpu["FIND_LINKS"] and cpu["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert cpu["BASE_IMAGE"] == "python:3.11-slim"
     local = {"REDIS_IMAGE": "kaiten-local/redis:7", "NGINX_IMAGE": "kaiten-local/nginx:1.22",
              "PYTHON_IMAGE": "kaiten-local/python:3.11", "KAITEN_FIND_LINKS": "/wheels",
              "KAITEN_HTTP_HOST": "127.0.0.1"}
@@ -150,8 +166,22 @@ def test_docker_compose_config(tmp_path):
     assert svc["redis"]["image"] == "kaiten-local/redis:7" and svc["nginx"]["image"] == "kaiten-local/nginx:1.22"
     for name in ("gateway", "engine-cpu", "tokenizer", "model-init"):
         assert svc[name]["build"]["args"]["BASE_IMAGE"] == "kaiten-local/python:3.11", name
-        assert svc[name]["build"]["args"]["FIND_LINKS"] == "/wheels", name
+    assert svc["engine-cpu"]["build"]["args"]["FIND_LINKS"] == "/wheels"
     assert _published(svc["nginx"]["ports"][0])[0] == "127.0.0.1"
+
+
+def _stages(text: str) -> dict[str, str]:
+    """Each build stage's instructions (no comments) by its name (FROM ... AS name)."""
+    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    parts = re.split(r"^FROM \S+ AS (\w+)$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def _install_deps():
+    spec = importlib.util.spec_from_file_location("install_deps", ROOT / "docker" / "install_deps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_dockerfile_matches_the_package():
@@ -159,20 +189,50 @@ def test_dockerfile_matches_the_package():
     install_deps = (ROOT / "docker" / "install_deps.py").read_text()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
-    assert torch_pin in text, f"{torch_pin} not pinned in the Dockerfile"
-    for pkg in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
-        pkg = pkg.rstrip("*")
-        assert re.search(rf"^COPY {pkg} ", text, re.M), f"Dockerfile does not copy {pkg}/"
-    assert 'ENTRYPOINT ["kaiten"]' in text
+    stages = _stages(text)
+    assert list(stages) == ["base", "slim", "torch", "engine"]
+    assert torch_pin in stages["torch"], f"{torch_pin} not pinned in the torch stage"
+    for image in ("slim", "engine"):
+        for pkg in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+            pkg = pkg.rstrip("*")
+            assert re.search(rf"^COPY {pkg} ", stages[image], re.M), f"the {image} image does not copy {pkg}/"
+        assert 'ENTRYPOINT ["kaiten"]' in stages[image] and "USER kaiten" in stages[image]
+    # The slim image installs no torch and no compiler; the engine copies the torch stage's venv,
+    # so the local wheels (COPY docker/wheels/) stay in the torch stage.
+    assert "torch" not in stages["slim"] and "g++" not in stages["slim"]
+    assert "RUN python install_deps.py slim" in stages["slim"]
+    assert "COPY --from=torch /opt/venv /opt/venv" in stages["engine"] and "install_deps.py engine" in stages["engine"]
+    assert "COPY docker/wheels/ /wheels/" in stages["torch"] and "/wheels" not in stages["engine"]
     # EXTRAS (the GPU image's flash-attn) come from pyproject's optional dependencies, installed
     # with the other dependencies: the package itself goes in with --no-deps, which skips extras.
-    assert "RUN python install_deps.py" in text
     assert 'project["optional-dependencies"][e]' in install_deps and 'os.environ.get("EXTRAS"' in install_deps
     # The classic builder (no BuildKit) builds it too: no heredocs, no syntax frontend from Docker Hub.
-    assert "<<" not in text and "# syntax=" not in text
+    assert "<<" not in text and "# syntax=" not in text and "--mount" not in text
     # Local wheels only with FIND_LINKS; by default torch comes from the index.
-    assert re.search(r'^ARG FIND_LINKS=""$', text, re.M) and "COPY docker/wheels/ /wheels/" in text
-    assert 'if [ -n "$FIND_LINKS" ]' in text
+    assert re.search(r'^ARG FIND_LINKS=""$', stages["torch"], re.M) and 'if [ -n "$FIND_LINKS" ]' in stages["torch"]
+
+
+def test_image_dependencies():
+    """The slim image gets every dependency but the engine's; the engine image every one."""
+    module = _install_deps()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    slim = {module.name(d) for d in module.requirements("slim", project)}
+    engine = {module.name(d) for d in module.requirements("engine", project)}
+    assert not {"torch", "xgrammar", "ninja"} & slim
+    assert {"starlette", "uvicorn", "redis", "msgpack", "transformers", "jinja2", "gguf", "prometheus-client"} <= slim
+    assert engine == {module.name(d) for d in project["dependencies"]} - {"torch"}
+    # Every pin survives as written.
+    assert set(module.requirements("engine", project)) <= set(project["dependencies"])
+
+
+def test_slim_image_modules_import_no_engine_dependency():
+    """What the slim image runs (gateway, tokenizer service, healthchecks, conversion, the CLI)
+    imports neither torch nor xgrammar, triton or ninja: the image has none of them."""
+    code = ("import sys, gateway.app, gateway.core, tokenizer_service.service, shared.healthcheck, shared.cli, "
+            "shared.model_source, shared.gguf_convert, shared.launcher; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'xgrammar', 'triton', 'ninja'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_nginx_conf_directives():
