@@ -2,14 +2,17 @@
 
 Each engine exports its series once (gateways export none of them), so ``sum`` over the
 ``engine`` label is the deployment's total. The loop ``update()``s them from the stats it
-already takes every iteration and observes each step; the HTTP server is prometheus_client's
-(a thread of its own), on a registry per worker.
+already takes every iteration and observes each step. A small HTTP server on a thread of its
+own answers ``GET /metrics`` in Prometheus's text format, as the gateways do (prometheus_client's
+OpenMetrics output would rename ``kaiten:x`` to ``kaiten_x``).
 """
 from __future__ import annotations
 
 import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger("kaiten.worker")
@@ -50,6 +53,24 @@ class WorkerEvents:
         yield fam
 
 
+class MetricsHandler(BaseHTTPRequestHandler):
+    """GET /metrics: the server's registry, text format. No access log."""
+
+    def do_GET(self):
+        if self.path.split("?")[0] != "/metrics":
+            self.send_error(404)
+            return
+        body = generate_latest(self.server.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args):
+        pass
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, engine_id: str, counters):
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -84,11 +105,14 @@ class EngineMetrics:
         if not port:
             return
         try:
-            self._server, _ = start_http_server(port, host, registry=self.registry)
+            self._server = ThreadingHTTPServer((host, port), MetricsHandler)
         except OSError as e:
             log.warning("cannot serve /metrics on %s:%d (%s): this engine exports no metrics; give each engine on "
                         "a host its own --metrics-port", host, port, e)
             return
+        self._server.daemon_threads = True
+        self._server.registry = self.registry
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="kaiten-metrics").start()
         log.info("metrics at http://%s:%d/metrics", host, self.port)
 
     @property

@@ -91,5 +91,7 @@ Each flag above also reads the KAITEN_* variable it names. Other variables:
   KAITEN_MODELS_DIR   where the default model is converted (default ./models)
   REDIS_URL           an existing Redis (like --redis-url)
   KAITEN_NUM_THREADS  torch CPU threads of the engine (0: one per core)
+  KAITEN_METRICS_PORT the engine's Prometheus /metrics port (default 8002, or a free one if
+                      that is taken; 0: none); the gateway's is GET /metrics on --port
 Every field of `kaiten engine --help` and `kaiten gateway --help` has a KAITEN_* variable too.
 """
