@@ -45,6 +45,7 @@ from engine_worker.inbox import Arrivals, Inbox, StreamEntry
 from engine_worker.intake import RejectedEntry, dead_letter_fields, decode_entry, salvage_ids
 from engine_worker.io_round import IoRound, RoundResult
 from engine_worker.janitor import Janitor
+from engine_worker.metrics import EngineMetrics
 from engine_worker.orphan_watch import OrphanWatch
 from engine_worker.publisher import Outgoing, Publisher
 from engine_worker.sampling_params import SamplingParams
@@ -89,6 +90,7 @@ class EngineWorker:
         self.orphans = OrphanWatch(self._client("orphans"), self.inbox, self.held, cfg.orphan_check_interval)
         self.step_stats = LatencyStats()        # engine.step() wall time
         self.round_stats = LatencyStats()       # the per-step Redis round trip (on the I/O thread)
+        self.metrics = EngineMetrics(engine.model_name, self.engine_id, self.counters)   # relabelled in _connect
         self.redis_up = True
         self._retry_at = 0.0
         self._backoff = 0.0
@@ -138,6 +140,7 @@ class EngineWorker:
                                                   self.cfg.heartbeat_interval)
                 self.publisher.engine_id = self.engine_id
                 self.heartbeat.engine_id = self.engine_id
+                self.metrics = EngineMetrics(self.engine.model_name, self.engine_id, self.counters)
                 self.heartbeat.update(self._live_stats())
                 self.heartbeat.write()          # registers the name at once
                 self.aborts.prepare()
@@ -164,6 +167,7 @@ class EngineWorker:
         if self._stop.is_set():
             self._shutdown()
             return 0
+        self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
         self.started.set()
         log.info("engine %r serving model %s (max_model_len %d, %d tokens per step)", self.engine_id,
                  engine.model_name, engine.max_model_len, engine.config.max_num_batched_tokens)
@@ -174,11 +178,15 @@ class EngineWorker:
                 if engine.has_unfinished():
                     t0 = time.perf_counter()
                     outputs = engine.step()
-                    self.step_stats.add(time.perf_counter() - t0)
+                    dt = time.perf_counter() - t0
+                    self.step_stats.add(dt)
+                    self.metrics.step_time.observe(dt)
                     self._route(outputs)
                 self.held.publish()
                 self.inbox.set_capacity(engine.free_capacity() if self.accepting else 0)
-                self.heartbeat.update(self._live_stats())
+                stats = self._live_stats()
+                self.heartbeat.update(stats)
+                self.metrics.update(stats)
                 self._flush()
                 if not engine.has_unfinished():
                     self.inbox.wait(0.01 if self._has_outgoing() else 0.1)
@@ -191,7 +199,6 @@ class EngineWorker:
 
     def _live_stats(self) -> dict:
         st = dataclasses.asdict(self.engine.stats())
-        st["step_seconds"] = self.step_stats.total_s     # cumulative, for kaiten:engine_step_seconds
         st["capacity"] = int(self.engine.free_capacity()) if self.accepting else 0
         st["accepting"] = self.accepting
         st["counters"] = self.counters.snapshot()
@@ -328,6 +335,7 @@ class EngineWorker:
             log.warning("Redis round: %s", err)
         self.counters.add("messages", len(res.sent.messages))
         self.round_stats.add(res.rtt)
+        self.metrics.round_time.observe(res.rtt)
 
     # ------------------------------------------------------------------ stop
     def _shutdown(self) -> None:
@@ -350,6 +358,7 @@ class EngineWorker:
             job.stop()
         self.heartbeat.stop(delete=self.started.is_set())
         self.round.close()
+        self.metrics.close()
         log.info("engine %r stopped; %s", self.engine_id, self.overhead_report())
         self.exited.set()
 

@@ -124,7 +124,6 @@ class Gateway:
                                             client_name=f"kaiten-gateway-sub-{self.gateway_id}")
         self.monitor = EngineMonitor(self.redis, self.config.engine_timeout)
         self.monitor.on_poll.append(lambda m: self.metrics.update_load(m.load()))
-        self.metrics.watch_engines(self.monitor.live_engines)
         self.router = ReplyRouter(self.sub_redis, self.gateway_id, self.monitor, self.config.engine_timeout,
                                   failover_timeout=self.config.failover_timeout)
         self.router.on_abort_needed = self.abort_soon

@@ -1,23 +1,18 @@
-"""Prometheus metrics with vLLM-style names, on a per-gateway CollectorRegistry.
+"""The gateway's Prometheus series (vLLM-style names), on a per-gateway CollectorRegistry.
 
-Two kinds of series:
+Request series (histograms, counters) count what THIS gateway served: sum them over gateways.
+The queue, prefill and decode times come from the engine's own event times on each request's
+terminal delta (one engine clock, so the differences are exact).
 
-* Request series (histograms, counters) count what THIS gateway served: sum them over gateways.
-  The queue, prefill and decode times come from the engine's own event times on each request's
-  terminal delta (one engine clock, so the differences are exact).
-* Engine series carry an ``engine`` label and are read from the engines' heartbeats at scrape
-  time. Every gateway exports the same values for an engine, so take one gateway's view before
-  summing over engines, e.g. ``sum(max by (engine) (kaiten:num_requests_running))`` and
-  ``sum(max by (engine) (rate(kaiten:num_preemptions_total[5m])))``. Likewise the per-deployment
-  gauges ``kaiten:num_engines`` and ``kaiten:request_stream_backlog``: ``max`` over gateways.
+Engine series (running, waiting, KV usage, preemptions, prefix cache, step time) are not here:
+each engine exports its own, once (engine_worker/metrics.py). The one deployment-wide value a
+gateway exports, ``kaiten:request_stream_backlog``, is each gateway's view of the same Redis
+stream: take ``max`` over gateways, never ``sum``.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -27,45 +22,6 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 PHASE_BUCKETS = E2E_BUCKETS                    # queue, prefill and decode times (vLLM uses the same)
 LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-
-# (heartbeat field, metric name, help) for the engine series.
-ENGINE_GAUGES = (
-    ("num_running", "kaiten:num_requests_running", "Requests running on the engine."),
-    ("num_waiting", "kaiten:num_requests_waiting", "Requests waiting in the engine's queue."),
-    ("kv_cache_usage", "kaiten:kv_cache_usage_perc", "The engine's KV-cache usage (0..1)."),
-)
-ENGINE_COUNTERS = (
-    ("num_preemptions", "kaiten:num_preemptions", "Sequences the engine preempted (recomputed later)."),
-    ("prefix_cache_queries", "kaiten:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "kaiten:prefix_cache_hits", "Prompt tokens the prefix cache served."),
-    ("step_count", "kaiten:engine_steps", "Engine steps run."),
-    ("step_seconds", "kaiten:engine_step_seconds", "Wall time spent in engine steps (s)."),
-)
-
-
-class EngineCollector:
-    """The engine series, from `engines()` (the live engines' heartbeats) at each scrape."""
-
-    def __init__(self, model_name: str, engines: Callable[[], Iterable]):
-        self.model_name = model_name
-        self.engines = engines
-
-    def describe(self):
-        return []                                # unchecked: the series vary with the engines
-
-    def collect(self):
-        live = list(self.engines())
-        for field, name, doc in ENGINE_GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
-            for e in live:
-                g.add_metric([self.model_name, e.engine_id], float(e.get(field, 0)))
-            yield g
-        for field, name, doc in ENGINE_COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
-            for e in live:
-                c.add_metric([self.model_name, e.engine_id], float(e.get(field, 0)))
-            yield c
-
 
 class GatewayMetrics:
     def __init__(self, model_name: str):
@@ -93,8 +49,8 @@ class GatewayMetrics:
                               buckets=LENGTH_BUCKETS)
         self.output_len = own(Histogram, "kaiten:request_generation_tokens", "Output length of finished requests.",
                               buckets=LENGTH_BUCKETS)
-        self.engines = Gauge("kaiten:num_engines", "Live engines (fresh heartbeat) this gateway sees.", registry=r)
-        self.backlog = Gauge("kaiten:request_stream_backlog", "Requests in the stream no engine has read yet.",
+        self.backlog = Gauge("kaiten:request_stream_backlog",
+                             "Requests in the stream no engine has read yet (the same on every gateway: max).",
                              registry=r)
         self.in_flight = own(Gauge, "kaiten:gateway_requests_in_flight", "Engine requests this gateway waits on.")
         self.prompt_tokens = own(Counter, "kaiten:prompt_tokens", "Prompt tokens of finished requests.")
@@ -107,10 +63,6 @@ class GatewayMetrics:
                                lbl + ["code"], registry=r)
         self._rejected = Counter("kaiten:requests_rejected", "Requests refused before submission, by status.",
                                  lbl + ["status"], registry=r)
-
-    def watch_engines(self, engines: Callable[[], Iterable]) -> None:
-        """Export the engine series of `engines()` (EngineMonitor.live_engines) at each scrape."""
-        self.registry.register(EngineCollector(self.model_name, engines))
 
     def success(self, finish_reason: str) -> None:
         self._success.labels(self.model_name, finish_reason).inc()
@@ -137,7 +89,7 @@ class GatewayMetrics:
             self.decode_time.observe(done - first)
 
     def update_load(self, load: dict) -> None:
-        self.engines.set(load["engines"])
+        """From EngineMonitor.load(): the stream's backlog."""
         self.backlog.set(load["backlog"])
 
     def render(self) -> bytes:

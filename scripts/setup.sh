@@ -14,6 +14,7 @@ if [[ "$extras" == *test* ]]; then
   command -v nginx >/dev/null || need_apt+=(nginx-light)               # tests run docker/nginx.conf
   command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
     || need_apt+=(docker-compose)                                      # `config` parses compose files
+  command -v prometheus >/dev/null || need_apt+=(prometheus)           # scrapes a running system in tests
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

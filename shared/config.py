@@ -122,6 +122,8 @@ class WorkerConfig(_EnvConfig):
     io_thread: bool = True               # run the per-step Redis round on a thread, overlapping the step
     orphan_check_interval: float = 0.25  # seconds between checks for dead gateways and deadlines
     loop_stall_timeout: float = 300.0    # withhold the heartbeat when the loop is stuck this long (s)
+    metrics_host: str = "127.0.0.1"      # the engine's Prometheus /metrics address (0.0.0.0 in containers)
+    metrics_port: int = 8002             # its port; 0: no /metrics (several engines on a host: one port each)
     ENV_NAMES = {"redis_url": "REDIS_URL"}
 
 

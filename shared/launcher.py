@@ -7,7 +7,8 @@
 2. starts a local ``redis-server`` on a free port (no persistence) unless ``REDIS_URL``/``--redis-url``
    is given;
 3. runs one ``kaiten engine`` and one ``kaiten gateway`` as child processes (the gateway tokenizes
-   and detokenizes in-process: no tokenizer service, no ``TOKENIZER_URL``);
+   and detokenizes in-process: no tokenizer service, no ``TOKENIZER_URL``); the engine serves its
+   /metrics on ``KAITEN_METRICS_PORT``, else on 8002 or, where that is taken, a free port;
 4. waits until the gateway answers ``GET /ready``, then prints the URL and a curl line to try;
 5. stops every child cleanly on Ctrl-C/SIGTERM (gateway first, Redis last); if any child dies,
    stops the rest and exits non-zero.
@@ -210,6 +211,17 @@ def _child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def engine_metrics_port(gateway_port: int) -> int:
+    """The engine's /metrics port: KAITEN_METRICS_PORT where set (0: none), else the default
+    (8002) unless it is taken or the gateway's, else a free port."""
+    from shared.config import WorkerConfig
+    cfg = WorkerConfig.from_env()
+    if os.environ.get("KAITEN_METRICS_PORT"):
+        return cfg.metrics_port
+    port = cfg.metrics_port
+    return port if port != gateway_port and port_is_free(cfg.metrics_host, port) else free_port(cfg.metrics_host)
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -302,7 +314,8 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
         engine_env = _child_env(KAITEN_MODEL=model, REDIS_URL=redis_url)
         # The gateway stops first, so there is nobody left to drain in-flight requests for.
         engine_env.setdefault("KAITEN_DRAIN_TIMEOUT", "1")
-        engine_args = ["engine", "--model", model, "--redis-url", redis_url, *child_args(args, "engine")]
+        engine_args = ["engine", "--model", model, "--redis-url", redis_url,
+                       "--metrics-port", str(engine_metrics_port(args.port)), *child_args(args, "engine")]
         if args.device is None and "KAITEN_DEVICE" not in os.environ and _cuda_available():
             engine_args += ["--device", "cuda"]
         sup.add(Child("engine", _kaiten(*engine_args), engine_env))

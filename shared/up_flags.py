@@ -91,5 +91,7 @@ Each flag above also reads the variable it names. Other variables:
   HF_HUB_CACHE        the Hugging Face cache a repo id is looked up in (else $HF_HOME/hub,
                       else ~/.cache/huggingface/hub); nothing is downloaded
   KAITEN_NUM_THREADS  torch CPU threads of the engine (0: one per core)
+  KAITEN_METRICS_PORT the engine's Prometheus /metrics port (default 8002, or a free one if
+                      that is taken; 0: none); the gateway's is GET /metrics on --port
 Every flag of `kaiten engine --help` and `kaiten gateway --help` has a KAITEN_* variable too.
 """

@@ -8,6 +8,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # has its own HF-equality tests (test_engine.py), and a cold compile in every process would
 # dominate the suite's time on two cores.
 os.environ.setdefault("KAITEN_ENFORCE_EAGER", "1")
+# ... and serve no /metrics port unless a test gives one (tests run engines side by side).
+os.environ.setdefault("KAITEN_METRICS_PORT", "0")
 
 import pytest
 

@@ -17,9 +17,9 @@ def engine_config(model_dir, **kw) -> EngineConfig:
 
 
 def worker_config(url: str, engine_id: str, **kw) -> WorkerConfig:
-    """Fast heartbeats and janitor, short Redis retries; override per test file or test."""
+    """Fast heartbeats and janitor, short Redis retries, no /metrics port; override per test file or test."""
     base = dict(redis_url=url, engine_id=engine_id, heartbeat_interval=0.2, heartbeat_ttl=3.0,
-                janitor_interval=0.2, claim_idle_ms=300, idle_block_ms=20, redis_retry_max=0.5)
+                janitor_interval=0.2, claim_idle_ms=300, idle_block_ms=20, redis_retry_max=0.5, metrics_port=0)
     base.update(kw)
     return WorkerConfig(**base)
 

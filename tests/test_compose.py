@@ -29,6 +29,7 @@ COMPOSE = ROOT / "docker-compose.yml"
 NGINX_CONF = ROOT / "docker" / "nginx.conf"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 KAITEN_SERVICES = {"model-init", "tokenizer", "engine", "engine-cpu", "gateway"}
+MONITORING = ROOT / "docker" / "monitoring"
 
 
 def _cmd_text(test) -> str:
@@ -40,9 +41,10 @@ def check_config(cfg: dict) -> None:
     services = cfg["services"]
     assert {"redis", "tokenizer", "engine", "engine-cpu", "gateway", "nginx"} <= set(services)
 
-    # Ports: only nginx publishes one; the gateway must not (so --scale gateway=3 works).
+    # Ports: only nginx (and the monitoring profile's UIs) publish one; the gateway must not (so
+    # --scale gateway=3 works).
     for name, svc in services.items():
-        if name != "nginx":
+        if name not in ("nginx", "prometheus", "grafana"):
             assert not svc.get("ports"), f"{name} publishes a host port"
     assert services["nginx"]["ports"], "nginx publishes no port"
     assert "8000" in json.dumps(services["gateway"].get("expose", []))
@@ -95,9 +97,36 @@ def check_config(cfg: dict) -> None:
         assert services[name]["command"][0] == sub, name
 
 
+def check_monitoring(cfg: dict) -> None:
+    """The monitoring profile: Prometheus scrapes the engines' own /metrics port and the gateways'
+    (by service name, so replicas are found); Grafana gets the datasource and the dashboard."""
+    services = cfg["services"]
+    assert services["prometheus"]["profiles"] == ["monitoring"] and services["grafana"]["profiles"] == ["monitoring"]
+    for name in ("engine", "engine-cpu"):
+        env = services[name]["environment"]
+        assert (env["KAITEN_METRICS_HOST"], str(env["KAITEN_METRICS_PORT"])) == ("0.0.0.0", "8002"), name
+        assert "8002" in json.dumps(services[name].get("expose", [])), name
+    mounts = json.dumps(services["prometheus"]["volumes"]) + json.dumps(services["grafana"]["volumes"])
+    for path in ("docker/monitoring/prometheus.yml", "docker/monitoring/grafana/provisioning",
+                 "docker/monitoring/grafana/dashboards"):
+        assert path in mounts, path
+    for name in ("prometheus", "grafana"):
+        assert services[name].get("healthcheck", {}).get("test"), name
+
+    prom = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    sd = {name: (j["dns_sd_configs"][0]["names"], j["dns_sd_configs"][0]["port"]) for name, j in jobs.items()}
+    assert sd == {"kaiten-gateway": (["gateway"], 8000), "kaiten-engine": (["engine", "engine-cpu"], 8002)}
+    ds = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    assert [(d["uid"], d["url"]) for d in ds] == [("kaiten-prometheus", "http://prometheus:9090")]
+    provider = yaml.safe_load((MONITORING / "grafana/provisioning/dashboards/kaiten.yml").read_text())["providers"][0]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
 def test_compose_file_structure():
     cfg = yaml.safe_load(COMPOSE.read_text())
     check_config(cfg)
+    check_monitoring(cfg)
     assert "models" in cfg["volumes"]
 
 
@@ -147,6 +176,22 @@ def test_docker_compose_config(tmp_path):
     assert {"gateway", "redis", "nginx"} <= default and not {"engine", "engine-cpu", "tokenizer"} & default
     with_tok = active(yaml.safe_load(config("--profile", "tokenizer", "config").stdout), {"tokenizer"})
     assert {"tokenizer", "gateway"} <= with_tok and not {"engine", "engine-cpu"} & with_tok
+    assert not {"prometheus", "grafana"} & default
+    # --profile monitoring adds Prometheus and Grafana, on 127.0.0.1 unless told otherwise.
+    monitored = yaml.safe_load(config("--profile", "cpu", "--profile", "monitoring", "config").stdout)
+    assert {"prometheus", "grafana", "engine-cpu"} <= active(monitored, {"cpu", "monitoring"})
+    check_monitoring(monitored)
+    svc = monitored["services"]
+    assert svc["prometheus"]["image"].startswith("prom/prometheus:")
+    assert svc["grafana"]["image"].startswith("grafana/grafana:")
+    assert _published(svc["prometheus"]["ports"][0]) == ("127.0.0.1", "9090")
+    assert _published(svc["grafana"]["ports"][0]) == ("127.0.0.1", "3000")
+    svc = yaml.safe_load(config("--profile", "monitoring", "config", extra_env={
+        "PROMETHEUS_IMAGE": "kaiten-local/prometheus:2", "GRAFANA_IMAGE": "kaiten-local/grafana:11",
+        "KAITEN_GRAFANA_PORT": "3111"}).stdout)["services"]
+    assert (svc["prometheus"]["image"], svc["grafana"]["image"]) == ("kaiten-local/prometheus:2",
+                                                                     "kaiten-local/grafana:11")
+    assert _published(svc["grafana"]["ports"][0]) == ("127.0.0.1", "3111")
     # Environment overrides reach the services.
     cfg = yaml.safe_load(config("--profile", "gpu", "config", extra_env={"KAITEN_HTTP_PORT": "9123",
                                                                        "KAITEN_KV_CACHE_MEMORY": "3GiB"}).stdout)

@@ -128,6 +128,22 @@ def test_parallel_matches_serial(backend, bs):
     torch.testing.assert_close(parallel, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decodes_over_all_kv_heads_match_one_item_per_head(backend, dtype):
+    """A step of many decodes runs one work item per sequence over all its kv heads; a sequence
+    alone runs one item per kv head. Both give the same bits."""
+    specs = [(1, 3 + 29 * i) for i in range(12)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, dtype, seed=7)
+    together = backend.attention(q, kc, vc, meta, 0.125)
+    for i, (_, ctx) in enumerate(specs):
+        one = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seqlens_k=meta.seqlens_k[i:i + 1],
+            block_tables=meta.block_tables[i:i + 1], slot_mapping=torch.empty(0, dtype=torch.int64),
+            max_seqlen_q=1, max_seqlen_k=ctx, seqlens_q_list=[1], seqlens_k_list=[ctx])
+        assert torch.equal(backend.attention(q[i:i + 1], kc, vc, one, 0.125), together[i:i + 1])
+    torch.testing.assert_close(together.float(), dense_reference(q, keys, values, specs, 0.125), **TOL[dtype])
+
+
 def test_noncontiguous_query_and_dtype_cast(backend):
     """q as a strided view (a slice of a fused qkv projection), in fp32 against a bf16 cache."""
     specs = [(1, 20), (9, 30)]

@@ -473,12 +473,12 @@ def test_metrics(env):
     env["client"].post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     text = env["client"].get("/metrics").text
     for name in ("kaiten:time_to_first_token_seconds_bucket", "kaiten:inter_token_latency_seconds_bucket",
-                 "kaiten:e2e_request_latency_seconds_count", "kaiten:num_requests_running",
-                 "kaiten:num_requests_waiting", "kaiten:kv_cache_usage_perc", "kaiten:prompt_tokens_total",
+                 "kaiten:e2e_request_latency_seconds_count", "kaiten:prompt_tokens_total",
                  "kaiten:generation_tokens_total", 'kaiten:request_success_total{finished_reason="length"'):
         assert name in text, name
-    line = [l for l in text.splitlines() if l.startswith("kaiten:kv_cache_usage_perc{")][0]
-    assert float(line.split()[-1]) == pytest.approx(0.25)
+    # The engines' series are the engines' own (engine_worker/metrics.py), never re-exported here.
+    for name in ("kaiten:num_requests_running", "kaiten:num_requests_waiting", "kaiten:kv_cache_usage_perc"):
+        assert name not in text, name
 
 
 # ---------------------------------------------------------------------- disconnects abort

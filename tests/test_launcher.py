@@ -90,6 +90,29 @@ def test_port_helpers():
         assert not port_is_free("127.0.0.1", p)
 
 
+def test_engine_metrics_port_never_clashes(monkeypatch):
+    """`kaiten up` gives its engine KAITEN_METRICS_PORT where set (0: none), else 8002 unless that is
+    taken or the gateway's port, else a free port."""
+    import socket
+
+    from shared.launcher import engine_metrics_port
+    monkeypatch.setenv("KAITEN_METRICS_PORT", "0")
+    assert engine_metrics_port(8000) == 0
+    monkeypatch.setenv("KAITEN_METRICS_PORT", "9321")
+    assert engine_metrics_port(8000) == 9321
+    monkeypatch.delenv("KAITEN_METRICS_PORT")
+    p = engine_metrics_port(8002)
+    assert p not in (0, 8002) and port_is_free("127.0.0.1", p)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", 8002))
+            s.listen()
+        except OSError:
+            pass                            # taken already: as good
+        p = engine_metrics_port(8000)
+        assert p not in (0, 8002) and port_is_free("127.0.0.1", p)
+
+
 def _run_up(args, command: str = "up", **kw):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x))
     env.pop("REDIS_URL", None)

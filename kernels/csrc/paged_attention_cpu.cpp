@@ -1,7 +1,8 @@
 // Fused paged attention for the CPU (the contract is kernels/interface.py's).
 //
 // One kernel serves decodes and (chunked) prefills alike. The packed varlen batch is cut into
-// work items (sequence, kv head, tile of up to kMaxTileRows / G query tokens). An item holds the
+// work items (sequence, kv head, tile of up to kMaxTileRows / G query tokens); a step of many
+// decodes has one item per sequence over all kv heads instead (see plan_items). An item holds the
 // G query heads of its kv head for each of its tokens as R = tokens * G fp32 query rows (scaled),
 // and walks the context in tiles of KT = 16 keys read in place from the paged cache (no gather
 // copy), so each K and V row is read once per item for all R rows. Per key tile:
@@ -54,8 +55,8 @@ struct Geometry {
 };
 
 struct WorkItem {
-  int32_t seq, kv_head, q_begin, q_end;    // query tokens [q_begin, q_end) of the sequence
-  int64_t cost;
+  int32_t seq, kv_head, num_kv, q_begin, q_end;   // kv heads [kv_head, kv_head + num_kv), query
+  int64_t cost;                                   // tokens [q_begin, q_end) of the sequence
 };
 
 // Per-thread fp32 scratch. Padding columns [d, dp) stay zero for the lifetime of the buffers.
@@ -120,17 +121,14 @@ inline void tile_offsets(const int32_t* table, int64_t kt0, int nk, int64_t kv_h
   }
 }
 
-// Asks for the K and V rows of the next tile while this one is computed: the rows of one kv head
-// are strided and scattered over blocks, and waiting on them otherwise dominates a decode. Into
-// L2 (locality 2): measured twice as fast as into L1, which has few slots for misses in flight.
+// Asks for d elements at each of the next tile's rows while this one is computed: the rows are
+// scattered over blocks, and waiting on them otherwise dominates a decode. Into L2 (locality 2):
+// measured twice as fast as into L1, which has few slots for misses in flight.
 template <typename T>
-inline void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* offs, int nk, int64_t d) {
+inline void prefetch_rows(const T* cache, const int64_t* offs, int nk, int64_t d) {
   constexpr int64_t kLine = 64 / sizeof(T);
   for (int j = 0; j < nk; ++j)
-    for (int64_t i = 0; i < d; i += kLine) {
-      __builtin_prefetch(k_cache + offs[j] + i, 0, 2);
-      __builtin_prefetch(v_cache + offs[j] + i, 0, 2);
-    }
+    for (int64_t i = 0; i < d; i += kLine) __builtin_prefetch(cache + offs[j] + i, 0, 2);
 }
 
 // ------------------------------------------------------------------------------ S = Q K^T
@@ -259,10 +257,11 @@ inline void pv_cols(float* o, int64_t dp, const float* p, const float* corr,
   for (; d0 < dp; d0 += VL) pv_block<NR, 1>(o, dp, p, corr, vrows, nkeys, d0);
 }
 
+// Rows [r0, r1) of the item.
 template <typename TV>
-inline void pv_rows(Scratch& w, int64_t rows, int64_t dp, const TV* const* vrows) {
-  for (int64_t r = 0; r < rows; r += RB) {
-    const int nr = static_cast<int>(std::min<int64_t>(RB, rows - r));
+inline void pv_rows(Scratch& w, int64_t r0, int64_t r1, int64_t dp, const TV* const* vrows) {
+  for (int64_t r = r0; r < r1; r += RB) {
+    const int nr = static_cast<int>(std::min<int64_t>(RB, r1 - r));
     const int nkeys = *std::max_element(w.valid.begin() + r, w.valid.begin() + r + nr);
     float* o = w.o.data() + r * dp;
     const float* p = w.p.data() + r * KT;
@@ -325,13 +324,27 @@ inline void load_v_tile(const T* v_cache, const int64_t* offs, int nk, const Geo
   }
 }
 
-// Query rows (token-major, then the G heads of the kv head), pre-scaled, into w.q; resets state.
+// The item's rows: kv head-major, then token, then the G query heads of the kv head.
+inline int64_t item_rows(const WorkItem& it, const Geometry& g) {
+  return it.num_kv * (it.q_end - it.q_begin) * g.group;
+}
+
+// Row r's query token (relative to the item's first) and query head.
+inline void row_of(const WorkItem& it, const Geometry& g, int64_t r, int64_t* tok, int64_t* head) {
+  const int64_t per_kv = (it.q_end - it.q_begin) * g.group, rem = r % per_kv;
+  *tok = rem / g.group;
+  *head = (it.kv_head + r / per_kv) * g.group + rem % g.group;
+}
+
+// Query rows, pre-scaled, into w.q; resets state.
 template <typename T>
 inline void init_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
   const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
-  const int64_t rows = (it.q_end - it.q_begin) * g.group;
+  const int64_t rows = item_rows(it, g);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q0 + r / g.group, head = it.kv_head * g.group + r % g.group;
+    int64_t tok, head;
+    row_of(it, g, r, &tok, &head);
+    tok += q0;
     const T* src = in.q + tok * g.q_tok_stride + head * g.q_head_stride;
     float* dst = w.q.data() + r * g.dp;
     for (int64_t i = 0; i < g.d; ++i) dst[i] = static_cast<float>(src[i]) * in.scale;
@@ -344,9 +357,11 @@ inline void init_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g
 template <typename T>
 inline void store_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
   const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
-  const int64_t rows = (it.q_end - it.q_begin) * g.group;
+  const int64_t rows = item_rows(it, g);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q0 + r / g.group, head = it.kv_head * g.group + r % g.group;
+    int64_t tok, head;
+    row_of(it, g, r, &tok, &head);
+    tok += q0;
     const float* l = w.lsum.data() + r * KT;
     float sum = 0.f;
     for (int j = 0; j < KT; ++j) sum += l[j];
@@ -363,9 +378,11 @@ void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratc
   const int64_t q_len = in.cu_seqlens_q[it.seq + 1] - in.cu_seqlens_q[it.seq];
   const int64_t first_pos = ctx - q_len + it.q_begin;   // position of the item's first token
   const int64_t last_pos = ctx - q_len + it.q_end - 1;
-  const int64_t rows = (it.q_end - it.q_begin) * g.group;
+  const int64_t rows = item_rows(it, g);
+  const int64_t head_rows = rows / it.num_kv;   // rows per kv head
   const int32_t* table = in.block_tables + it.seq * g.max_blocks;
-  const bool direct = rows <= RB && g.d == g.dp;
+  const bool direct = head_rows <= RB && g.d == g.dp;
+  const int64_t span = it.num_kv * g.d;         // elements of a key row the item reads
   const float* vrows[KT];
   const T* krows_c[KT];                        // the tile's rows in the cache (direct path)
   const T* vrows_c[KT];
@@ -373,22 +390,28 @@ void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratc
   int64_t offs[KT], next_offs[KT];
   const int first_nk = static_cast<int>(std::min<int64_t>(KT, last_pos + 1));
   tile_offsets(table, 0, first_nk, it.kv_head, g, offs);
-  prefetch_rows(in.k_cache, in.v_cache, offs, first_nk, g.d);
+  prefetch_rows(in.k_cache, offs, first_nk, span);
+  prefetch_rows(in.v_cache, offs, first_nk, span);
   init_rows(in, it, g, w);
-  for (int64_t r = 0; r < rows; ++r) w.pos[r] = first_pos + r / g.group;
+  for (int64_t r = 0; r < rows; ++r) w.pos[r] = first_pos + (r % head_rows) / g.group;
   for (int64_t kt0 = 0; kt0 <= last_pos; kt0 += KT) {
     const int nk = static_cast<int>(std::min<int64_t>(KT, last_pos + 1 - kt0));
     const int next_nk = static_cast<int>(std::clamp<int64_t>(last_pos + 1 - kt0 - KT, 0, KT));
-    if (next_nk > 0) {
-      tile_offsets(table, kt0 + KT, next_nk, it.kv_head, g, next_offs);
-      prefetch_rows(in.k_cache, in.v_cache, next_offs, next_nk, g.d);
+    // The next tile's rows are asked for in pieces of one kv head's K or V, each just before the
+    // same piece of this tile is used: asked for at once, a whole-row item's 6 prefetches per key
+    // overrun the misses the core keeps in flight (measured 84 ms against 49 ms per 64 decodes).
+    if (next_nk > 0) tile_offsets(table, kt0 + KT, next_nk, it.kv_head, g, next_offs);
+    if (!direct && next_nk > 0) {
+      prefetch_rows(in.k_cache, next_offs, next_nk, span);
+      prefetch_rows(in.v_cache, next_offs, next_nk, span);
     }
     if (direct) {
-      for (int j = 0; j < nk; ++j) {
-        krows_c[j] = in.k_cache + offs[j];
-        vrows_c[j] = in.v_cache + offs[j];
+      for (int64_t h = 0; h < it.num_kv; ++h) {
+        prefetch_rows(in.k_cache + h * g.d, next_offs, next_nk, g.d);
+        for (int j = 0; j < nk; ++j) krows_c[j] = in.k_cache + offs[j] + h * g.d;
+        qk_direct(w.q.data() + h * head_rows * g.dp, head_rows, g.dp, krows_c, nk,
+                  w.s.data() + h * head_rows * KT);
       }
-      qk_direct(w.q.data(), rows, g.dp, krows_c, nk, w.s.data());
     } else {
       load_k_tile(in.k_cache, offs, nk, g, w);
       load_v_tile(in.v_cache, offs, nk, g, w, vrows);
@@ -398,9 +421,13 @@ void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratc
       w.valid[r] = static_cast<int>(std::clamp<int64_t>(w.pos[r] + 1 - kt0, 0, nk));
     softmax_update(w, rows);
     if (direct) {
-      pv_rows(w, rows, g.dp, vrows_c);
+      for (int64_t h = 0; h < it.num_kv; ++h) {
+        prefetch_rows(in.v_cache + h * g.d, next_offs, next_nk, g.d);
+        for (int j = 0; j < nk; ++j) vrows_c[j] = in.v_cache + offs[j] + h * g.d;
+        pv_rows(w, h * head_rows, (h + 1) * head_rows, g.dp, vrows_c);
+      }
     } else {
-      pv_rows(w, rows, g.dp, vrows);
+      pv_rows(w, 0, rows, g.dp, vrows);
     }
     std::copy(next_offs, next_offs + next_nk, offs);
   }
@@ -408,13 +435,22 @@ void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratc
 }
 
 // ------------------------------------------------------------------------------ planning
+// A sequence whose query rows per kv head are few (a decode) takes the direct path. When a step
+// has enough of them to keep every thread busy, each is one work item over all its kv heads: the
+// item then reads whole cache rows (all kv heads of a token, a block's K or V contiguous), where
+// one item per kv head reads every row in strided pieces.
+inline bool is_direct(int64_t q_len, const Geometry& g) { return q_len * g.group <= RB && g.d == g.dp; }
+
 // Checks the metadata against the cache (a bad block id would read out of bounds) and cuts the
 // batch into work items, most expensive first.
 std::vector<WorkItem> plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
-                                 int64_t num_seqs, int64_t num_tokens, const Geometry& g) {
+                                 int64_t num_seqs, int64_t num_tokens, const Geometry& g, int64_t threads) {
   TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == num_tokens,
               "cu_seqlens_q must run from 0 to the number of query tokens");
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / g.group);
+  int64_t num_direct = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) num_direct += is_direct(cu[i + 1] - cu[i], g);
+  const bool whole_rows = num_direct >= 2 * threads;
   std::vector<WorkItem> items;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t q_len = cu[i + 1] - cu[i], ctx = seqlens_k[i];
@@ -427,12 +463,18 @@ std::vector<WorkItem> plan_items(const int32_t* cu, const int32_t* seqlens_k, co
       const int32_t blk = bt[i * g.max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < g.num_blocks, "sequence ", i, ": block id ", blk, " out of range");
     }
+    if (whole_rows && is_direct(q_len, g)) {
+      const int64_t cost = g.hkv * (q_len * g.group * ctx + 64 * g.group);
+      items.push_back({static_cast<int32_t>(i), 0, static_cast<int32_t>(g.hkv), 0,
+                       static_cast<int32_t>(q_len), cost});
+      continue;
+    }
     for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
       const int64_t t1 = std::min(q_len, t0 + tile_tokens);
       const int64_t keys = ctx - q_len + t1;
       const int64_t cost = (t1 - t0) * g.group * keys + 64 * g.group;
       for (int64_t h = 0; h < g.hkv; ++h)
-        items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(h), static_cast<int32_t>(t0),
+        items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(h), 1, static_cast<int32_t>(t0),
                          static_cast<int32_t>(t1), cost});
     }
   }
@@ -443,7 +485,7 @@ std::vector<WorkItem> plan_items(const int32_t* cu, const int32_t* seqlens_k, co
 
 template <typename T>
 void run_all(const Inputs<T>& in, const std::vector<WorkItem>& items, const Geometry& g) {
-  const int64_t rows = std::max<int64_t>(1, kMaxTileRows / g.group) * g.group;
+  const int64_t rows = std::max(std::max<int64_t>(1, kMaxTileRows / g.group) * g.group, g.hkv * RB);
   int64_t total = 0;
   for (const auto& it : items) total += it.cost;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (int64_t)items.size());
@@ -493,7 +535,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   Geometry g{hq, hkv, hq / hkv, d, (d + 15) / 16 * 16, k_cache.size(1), k_cache.size(0), bt.size(1),
              q.stride(0), q.stride(1), hkv * d};
   const auto items = plan_items(cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
-                                lens.size(0), q.size(0), g);
+                                lens.size(0), q.size(0), g, at::get_num_threads());
   const int32_t* c = cu.data_ptr<int32_t>();
   const int32_t* ctx = lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < lens.size(0); ++i)        // rows with no keys to attend to (plan_items skips them)
