@@ -190,7 +190,9 @@ async def ready(request: Request) -> Response:
         problems.append(f"redis unreachable: {type(e).__name__}")
     if not gw.router.subscribed.is_set():
         problems.append("reply channel not subscribed")
-    engines = len(gw.monitor.live_engines())
+    # An engine counts while its heartbeat changed within failover_timeout (1.5 s): the silence after
+    # which its requests move elsewhere, so a killed engine leaves /ready within about 2 s.
+    engines = len(gw.monitor.live_engines(timeout=gw.config.failover_timeout))
     if engines == 0:
         problems.append("no live engine")
     body = {"status": "ready" if not problems else "not ready", "engines": engines, "problems": problems}
