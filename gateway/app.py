@@ -37,7 +37,7 @@ from shared.config import GatewayConfig
 from . import server_logs
 from .core import Gateway
 from .errors import APIError, bad_request
-from .http_common import authorized, check_auth, gateway_of, read_json, token_from
+from .http_common import authorized, check_auth, gateway_of, read_json, token_from, ws_subprotocol
 from .json_body import parse_json
 from .metrics import CONTENT_TYPE_LATEST
 from .openai_api import parse_chat, parse_completion
@@ -224,7 +224,8 @@ async def index(request: Request) -> Response:
 # ---------------------------------------------------------------------- WebSocket chat
 async def chat_ws(websocket: WebSocket) -> None:
     gw = gateway_of(websocket)
-    await websocket.accept()
+    offered = list(websocket.scope.get("subprotocols") or [])
+    await websocket.accept(subprotocol=ws_subprotocol(offered))
     send_lock = asyncio.Lock()
     closed = False
 
@@ -244,8 +245,10 @@ async def chat_ws(websocket: WebSocket) -> None:
             msg["retry_after"] = max(1, int(round(err.retry_after)))
         await send(msg)
 
-    if not authorized(gw, token_from(websocket.headers, websocket.query_params)):
-        await send_error(None, APIError(401, "Invalid or missing API key", code="invalid_api_key"))
+    if not authorized(gw, token_from(websocket.headers, websocket.query_params, offered)):
+        await send_error(None, APIError(401, "Invalid or missing API key (Authorization: Bearer <key>, or the "
+                                             "subprotocols kaiten.v1 and kaiten.bearer.<base64url of the key>)",
+                                        code="invalid_api_key"))
         await websocket.close(code=1008)
         return
     if not gw.config.api_keys and not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host", ""),
