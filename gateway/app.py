@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -33,6 +32,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from shared.config import GatewayConfig
+from shared.log_format import add_log_flags, setup_logging, uvicorn_log_config
 
 from . import server_logs
 from .core import Gateway
@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sse-keepalive", dest="sse_keepalive", type=float, default=None,
                    help="seconds without a token before an SSE ': keep-alive' comment; 0: never "
                         "(env KAITEN_SSE_KEEPALIVE, default 15)")
-    p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
+    add_log_flags(p)
     return p
 
 
@@ -466,8 +466,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     # httpx logs every call to the tokenizer service at INFO: keep to uvicorn's one line per request.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     config = config_from_args(args)
@@ -477,9 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
-                                           lifespan="on", timeout_graceful_shutdown=10,
-                                           ws_max_size=config.max_body_bytes))
-    server_logs.install(logging.getLevelName(args.log_level.upper()))     # after uvicorn configured its loggers
+                                           log_config=uvicorn_log_config(args.log_format), lifespan="on",
+                                           timeout_graceful_shutdown=10, ws_max_size=config.max_body_bytes))
+    server_logs.install(logging.getLevelName(args.log_level))     # after uvicorn configured its loggers
     server.run()
     return 0 if server.started else 3          # 3: did not start (uvicorn.run's exit code)
 
