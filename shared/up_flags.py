@@ -13,7 +13,6 @@ from typing import Callable
 from shared.log_format import LOG_FORMATS, LOG_LEVELS
 
 
-
 @dataclass(slots=True, frozen=True)
 class ChildFlag:
     flag: str
