@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.generation_defaults import GenerationDefaults, load_generation_defaults
+from shared.log_format import setup_logging
 from shared.up_flags import EPILOG, add_child_flags, child_args, child_env
 from shared.version import kaiten_version
 
@@ -256,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=(args.log_level or os.environ.get("KAITEN_LOG_LEVEL", "INFO")).upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level or os.environ.get("KAITEN_LOG_LEVEL", "INFO"),
+                  args.log_format or os.environ.get("KAITEN_LOG_FORMAT", "text"))
     sup = Supervisor(stop_timeout=args.stop_timeout)
 
     def on_signal(signum, frame):
