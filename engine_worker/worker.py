@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import signal
 import sys
 import threading
@@ -53,6 +52,7 @@ from engine_worker.stream_reader import AbortReader, RequestReader
 from engine_worker.worker_stats import Counters, LatencyStats
 from shared import names
 from shared.config import EngineConfig, WorkerConfig
+from shared.log_format import add_log_flags, setup_logging
 from shared.redis_conn import min_socket_timeout_for_block, redis_client
 
 log = logging.getLogger("kaiten.worker")
@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis-url", dest="redis_url", default=None, help="Redis URL (env REDIS_URL)")
     parser.add_argument("--engine-id", dest="engine_id", default=None,
                         help="consumer name; stable per deployment (env KAITEN_ENGINE_ID; default: hostname)")
-    parser.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
+    add_log_flags(parser)
     parser.add_argument("--healthcheck", action="store_true",
                         help="exit 0 if this engine's heartbeat is in Redis (for container healthchecks)")
     _add_dataclass_flags(parser.add_argument_group("engine"), EngineConfig, {"model", "offline"})
@@ -418,8 +418,7 @@ def healthcheck(wcfg: WorkerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if args.healthcheck:
         return healthcheck(configs_from_args(args, resolve_model=False)[1])
     from shared.model_source import ModelNotFoundError

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -33,12 +32,13 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from shared.config import GatewayConfig
+from shared.log_format import add_log_flags, setup_logging, uvicorn_log_config
 from shared.model_source import ModelNotFoundError
 
 from . import server_logs
 from .core import Gateway, resolve_model_dir
 from .errors import APIError, bad_request
-from .http_common import authorized, check_auth, gateway_of, read_json, token_from
+from .http_common import authorized, check_auth, gateway_of, read_json, token_from, ws_subprotocol
 from .json_body import parse_json
 from .metrics import CONTENT_TYPE_LATEST
 from .openai_api import parse_chat, parse_completion
@@ -191,7 +191,9 @@ async def ready(request: Request) -> Response:
         problems.append(f"redis unreachable: {type(e).__name__}")
     if not gw.router.subscribed.is_set():
         problems.append("reply channel not subscribed")
-    engines = len(gw.monitor.live_engines())
+    # An engine counts while its heartbeat changed within failover_timeout (1.5 s): the silence after
+    # which its requests move elsewhere, so a killed engine leaves /ready within about 2 s.
+    engines = len(gw.monitor.live_engines(timeout=gw.config.failover_timeout))
     if engines == 0:
         problems.append("no live engine")
     body = {"status": "ready" if not problems else "not ready", "engines": engines, "problems": problems}
@@ -223,7 +225,8 @@ async def index(request: Request) -> Response:
 # ---------------------------------------------------------------------- WebSocket chat
 async def chat_ws(websocket: WebSocket) -> None:
     gw = gateway_of(websocket)
-    await websocket.accept()
+    offered = list(websocket.scope.get("subprotocols") or [])
+    await websocket.accept(subprotocol=ws_subprotocol(offered))
     send_lock = asyncio.Lock()
     closed = False
 
@@ -243,8 +246,10 @@ async def chat_ws(websocket: WebSocket) -> None:
             msg["retry_after"] = max(1, int(round(err.retry_after)))
         await send(msg)
 
-    if not authorized(gw, token_from(websocket.headers, websocket.query_params)):
-        await send_error(None, APIError(401, "Invalid or missing API key", code="invalid_api_key"))
+    if not authorized(gw, token_from(websocket.headers, websocket.query_params, offered)):
+        await send_error(None, APIError(401, "Invalid or missing API key (Authorization: Bearer <key>, or the "
+                                             "subprotocols kaiten.v1 and kaiten.bearer.<base64url of the key>)",
+                                        code="invalid_api_key"))
         await websocket.close(code=1008)
         return
     if not gw.config.api_keys and not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host", ""),
@@ -443,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sse-keepalive", dest="sse_keepalive", type=float, default=None,
                    help="seconds without a token before an SSE ': keep-alive' comment; 0: never "
                         "(env KAITEN_SSE_KEEPALIVE, default 15)")
-    p.add_argument("--log-level", default=os.environ.get("KAITEN_LOG_LEVEL", "INFO"))
+    add_log_flags(p)
     return p
 
 
@@ -463,8 +468,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     # httpx logs every call to the tokenizer service at INFO: keep to uvicorn's one line per request.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     config = config_from_args(args)
@@ -479,9 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
-                                           lifespan="on", timeout_graceful_shutdown=10,
-                                           ws_max_size=config.max_body_bytes))
-    server_logs.install(logging.getLevelName(args.log_level.upper()))     # after uvicorn configured its loggers
+                                           log_config=uvicorn_log_config(args.log_format), lifespan="on",
+                                           timeout_graceful_shutdown=10, ws_max_size=config.max_body_bytes))
+    server_logs.install(logging.getLevelName(args.log_level))     # after uvicorn configured its loggers
     server.run()
     return 0 if server.started else 3          # 3: did not start (uvicorn.run's exit code)
 

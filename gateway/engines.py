@@ -70,10 +70,11 @@ class EngineMonitor:
         now = time.monotonic() if now is None else now
         return now - info.last_alive <= (self.engine_timeout if timeout is None else timeout)
 
-    def live_engines(self, now: float | None = None) -> list[EngineInfo]:
+    def live_engines(self, now: float | None = None, timeout: float | None = None) -> list[EngineInfo]:
+        """Engines with a sign of life within `timeout` (default engine_timeout) seconds."""
         now = time.monotonic() if now is None else now
-        return [e for e in self.engines.values()
-                if e.heartbeat and now - e.last_alive <= self.engine_timeout]
+        timeout = self.engine_timeout if timeout is None else timeout
+        return [e for e in self.engines.values() if e.heartbeat and now - e.last_alive <= timeout]
 
     def last_any_alive(self) -> float:
         """Monotonic time of the latest sign of life of any engine (the monitor's start if none)."""

@@ -1,6 +1,16 @@
-"""What every HTTP route of the gateway shares: the Gateway of the app, API-key auth, the JSON body."""
+"""What every HTTP route of the gateway shares: the Gateway of the app, API-key auth, the JSON body.
+
+A key comes as ``Authorization: Bearer KEY``. A browser cannot set that header on a WebSocket, so the
+WebSocket also takes it as the subprotocol ``kaiten.bearer.<base64url of the key's UTF-8, unpadded>``
+offered beside ``kaiten.v1``; the server selects ``kaiten.v1`` and never echoes the key. Base64url
+makes every key a legal subprotocol token (a raw key may hold ``=``, ``/`` or spaces, which a
+browser refuses). ``?api_key=KEY`` on the WebSocket URL still works, for older clients; the logs
+redact it (gateway/server_logs.py).
+"""
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from typing import Any
 
@@ -16,13 +26,42 @@ def gateway_of(request: Request | WebSocket) -> Gateway:
     return request.app.state.gw
 
 
-def token_from(headers, query=None) -> str:
+WS_SUBPROTOCOL = "kaiten.v1"
+BEARER_SUBPROTOCOL = "kaiten.bearer."
+
+
+def ws_subprotocol(offered: list[str]) -> str | None:
+    """The subprotocol the server answers with: ``kaiten.v1`` when offered (a browser that offered
+    subprotocols fails a handshake answered with none), else none."""
+    return WS_SUBPROTOCOL if WS_SUBPROTOCOL in offered else None
+
+
+def bearer_subprotocol(key: str) -> str:
+    """The subprotocol that carries `key` (what the chat page offers)."""
+    return BEARER_SUBPROTOCOL + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+def _key_of_subprotocols(offered: list[str]) -> str:
+    for proto in offered:
+        if proto.startswith(BEARER_SUBPROTOCOL):
+            b64 = proto[len(BEARER_SUBPROTOCOL):]
+            try:
+                return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).decode()
+            except (binascii.Error, ValueError):      # not base64url, or not UTF-8: no key
+                return ""
+    return ""
+
+
+def token_from(headers, query=None, subprotocols: list[str] | None = None) -> str:
+    """The key a client sent: the Authorization header, else (WebSocket) the bearer subprotocol, else
+    (WebSocket) ``?api_key=``."""
     auth = headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    if query is not None:
-        return query.get("api_key", "")
-    return ""
+    token = _key_of_subprotocols(subprotocols or [])
+    if not token and query is not None:
+        token = query.get("api_key", "")
+    return token
 
 
 def authorized(gw: Gateway, token: str) -> bool:

@@ -1,36 +1,58 @@
 """What uvicorn logs for the gateway: no line per readiness or liveness probe (unless DEBUG), and
-no secret from a query string (a browser can only send a WebSocket key as ``?api_key=``).
+no secret: query-string keys (``?api_key=``), bearer tokens, the WebSocket's
+``kaiten.bearer.<key>`` subprotocol, and the values of credential headers, which uvicorn's
+WebSocket handshake logs one per line at DEBUG.
 
 ``install(level)`` adds the filters to uvicorn's loggers; call it after uvicorn configured them.
 """
 from __future__ import annotations
 
 import logging
+import re
 from urllib.parse import unquote_plus
 
 PROBE_PATHS = frozenset({"/ready", "/health"})
 SECRET_PARAMS = frozenset({"api_key", "api-key", "apikey", "key", "token", "access_token", "ticket"})
+SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key"})
 REDACTED = "[redacted]"
+
+_QUERY_ITEM = re.compile(r"(?<=[?&])([^=&?#\s\"']+)=([^&#\s\"']*)")
+_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s,\"']+")
+_BEARER_SUBPROTOCOL = re.compile(r"(kaiten\.bearer\.)[A-Za-z0-9_=-]+")
+
+
+def _redact_item(m: re.Match) -> str:
+    return f"{m.group(1)}={REDACTED}" if unquote_plus(m.group(1)).lower() in SECRET_PARAMS else m.group(0)
 
 
 def redact_query(target: str) -> str:
     """``/v1/chat/ws?api_key=abc&x=1`` -> ``/v1/chat/ws?api_key=[redacted]&x=1``."""
-    path, sep, query = target.partition("?")
-    if not sep:
-        return target
-    items = []
-    for item in query.split("&"):
-        name, eq, _ = item.partition("=")
-        items.append(f"{name}={REDACTED}" if eq and unquote_plus(name).lower() in SECRET_PARAMS else item)
-    return f"{path}?{'&'.join(items)}"
+    return _QUERY_ITEM.sub(_redact_item, target) if "?" in target else target
 
 
-class RedactQuerySecrets(logging.Filter):
-    """Rewrites every string argument of a record that carries a query string."""
+def redact_text(text: str) -> str:
+    """Every secret this module knows, anywhere in `text`."""
+    text = redact_query(text)
+    text = _BEARER.sub(rf"\g<1>{REDACTED}", text)
+    return _BEARER_SUBPROTOCOL.sub(rf"\g<1>{REDACTED}", text)
+
+
+class RedactSecrets(logging.Filter):
+    """Rewrites the string arguments of a record (keeping their number: uvicorn's access formatter
+    unpacks them); a value that follows a credential header's name is replaced whole."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple) and any(isinstance(a, str) and "?" in a for a in record.args):
-            record.args = tuple(redact_query(a) if isinstance(a, str) else a for a in record.args)
+        args = record.args
+        if isinstance(args, tuple) and args:
+            out = list(args)
+            for i, a in enumerate(args):
+                if not isinstance(a, str):
+                    continue
+                after_header = i > 0 and isinstance(args[i - 1], str) and args[i - 1].lower() in SECRET_HEADERS
+                out[i] = REDACTED if after_header else redact_text(a)
+            record.args = tuple(out)
+        elif not args and isinstance(record.msg, str):
+            record.msg = redact_text(record.msg)
         return True
 
 
@@ -49,4 +71,4 @@ def install(level: int) -> None:
     if level > logging.DEBUG:
         access.addFilter(DropProbes())
     for name in ("uvicorn.access", "uvicorn.error"):
-        logging.getLogger(name).addFilter(RedactQuerySecrets())
+        logging.getLogger(name).addFilter(RedactSecrets())

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.generation_defaults import GenerationDefaults, load_generation_defaults
+from shared.log_format import setup_logging
 from shared.model_source import ModelNotFoundError, resolve_model
 from shared.up_flags import EPILOG, add_child_flags, child_args, child_env
 from shared.version import kaiten_version
@@ -278,8 +279,8 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     spec = model_spec(args, parser)
-    logging.basicConfig(level=(args.log_level or os.environ.get("KAITEN_LOG_LEVEL", "INFO")).upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level or os.environ.get("KAITEN_LOG_LEVEL", "INFO"),
+                  args.log_format or os.environ.get("KAITEN_LOG_FORMAT", "text"))
     sup = Supervisor(stop_timeout=args.stop_timeout)
 
     def on_signal(signum, frame):

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+from shared.log_format import LOG_FORMATS, LOG_LEVELS
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +63,9 @@ def add_child_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(f.flag, dest=f.dest, type=f.type, default=None, help=f"{f.help} (env {f.env})")
     group.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None,
                        help="every process's log level (env KAITEN_LOG_LEVEL, default INFO)")
+    group.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS, default=None,
+                       help="every process's log format: text, or json (one object per line) "
+                            "(env KAITEN_LOG_FORMAT, default text)")
 
 
 def child_args(args: argparse.Namespace, child: str) -> list[str]:
@@ -75,6 +78,8 @@ def child_args(args: argparse.Namespace, child: str) -> list[str]:
         out += [f.flag] if f.type is None else [f.flag, str(value)]
     if args.log_level is not None:
         out += ["--log-level", args.log_level]
+    if args.log_format is not None:
+        out += ["--log-format", args.log_format]
     return out
 
 

@@ -39,8 +39,9 @@ pytestmark = pytest.mark.timeout(120)
 class GatewayThread:
     """The real gateway app under uvicorn on a background thread; stop() and start() again at will."""
 
-    def __init__(self, model_dir: Path, redis_url: str, port: int):
+    def __init__(self, model_dir: Path, redis_url: str, port: int, api_keys: tuple[str, ...] = ()):
         self.model_dir, self.redis_url, self.port = str(model_dir), redis_url, port
+        self.api_keys = api_keys
         self.server = None
         self.thread: threading.Thread | None = None
         self.url = f"http://127.0.0.1:{port}"
@@ -52,7 +53,7 @@ class GatewayThread:
         from shared.config import GatewayConfig
 
         config = GatewayConfig(model=self.model_dir, redis_url=self.redis_url, host="127.0.0.1", port=self.port,
-                               engine_timeout=5.0)
+                               engine_timeout=5.0, api_keys=self.api_keys)
         app = create_app(config)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan="on", timeout_graceful_shutdown=2))
@@ -804,3 +805,91 @@ def test_status_line_reads_idle_soon_after_a_reply(page, stack):
     stack.wait_running(0)
     # Without waiting for the regular two-second poll: the page polls again when a reply ends.
     pg.wait_for_function("document.getElementById('engine-status').dataset.running === '0'", timeout=3_000)
+
+
+# ---------------------------------------------------------------------- a server with an API key
+PAGE_KEY = "page-key=/é 1"          # characters a raw subprotocol token could not carry
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(stack):
+    """A second gateway on the same Redis and engine, started with --api-key."""
+    gw = GatewayThread(stack.model_dir, stack.redis_url, free_port(), api_keys=(PAGE_KEY,))
+    gw.start()
+    try:
+        gw.wait_ready(timeout=60)
+        yield gw
+    finally:
+        gw.stop()
+
+
+def test_a_keyed_server_asks_for_the_key_then_chats(browser, keyed_gateway):
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    sockets: list[str] = []
+    pg.on("websocket", lambda ws: sockets.append(ws.url))
+    status_auth: list[str | None] = []
+    pg.on("request", lambda r: status_auth.append(r.headers.get("authorization")) if r.url.endswith("/v1/status")
+          else None)
+    try:
+        pg.goto(keyed_gateway.url + "/")
+        # No key: a clear prompt, no connection, and the status line says why.
+        pg.wait_for_selector("#auth[data-reason=refused]:not([hidden])", timeout=10_000)
+        pg.wait_for_selector("body[data-conn=auth]", timeout=10_000)
+        assert "needs an API key" in pg.inner_text("#auth-text")
+        assert pg.evaluate("document.activeElement.id") == "api-key"
+        assert pg.inner_text("#conn-text") == "API key needed"
+        pg.wait_for_function("document.getElementById('engine-status').textContent.includes('API key needed')",
+                             timeout=10_000)
+        assert not pg.locator("#conn-banner").is_visible()            # no reconnect countdown
+        pg.screenshot(path=str(ARTIFACTS / "chat-key-prompt.png"))
+
+        # A wrong key: refused again, said so.
+        pg.fill("#api-key", "not-the-key")
+        pg.click("#api-key-save")
+        pg.wait_for_function("document.getElementById('auth-text').textContent.includes('did not accept')",
+                             timeout=10_000)
+        assert pg.locator("#auth").is_visible() and pg.get_attribute("body", "data-conn") == "auth"
+
+        # The right key: connected, the status answers, a chat streams.
+        pg.fill("#api-key", PAGE_KEY)
+        pg.press("#api-key", "Enter")
+        pg.wait_for_selector("body[data-conn=open]", timeout=10_000)
+        assert not pg.locator("#auth").is_visible()
+        pg.wait_for_function("document.getElementById('engine-status').dataset.ok === 'true'", timeout=10_000)
+        settings(pg, temperature=1.0, top_p=1.0, max_tokens=8, seed=1)
+        send(pg, "Hello with a key")
+        reply = wait_reply_state(pg, ("done", "error"))
+        assert reply.get_attribute("data-state") == "done", reply.inner_text()
+        assert status_auth[-1] == f"Bearer {PAGE_KEY}"
+        assert sockets and all("api_key" not in u and "key" not in u.split("/v1/chat/ws")[1] for u in sockets)
+
+        # This tab only (sessionStorage): a reload keeps it, a new tab asks again.
+        assert pg.evaluate("sessionStorage.getItem('kaiten.apiKey')") == PAGE_KEY
+        assert pg.evaluate("localStorage.getItem('kaiten.apiKey')") is None
+        pg.reload()
+        pg.wait_for_selector("body[data-conn=open]", timeout=10_000)
+        other = context.new_page()
+        other.goto(keyed_gateway.url + "/")
+        other.wait_for_selector("body[data-conn=auth]", timeout=10_000)
+        # "Remember in this browser" keeps it in localStorage, for every tab.
+        other.fill("#api-key", PAGE_KEY)
+        other.check("#api-key-remember")
+        other.click("#api-key-save")
+        other.wait_for_selector("body[data-conn=open]", timeout=10_000)
+        assert other.evaluate("localStorage.getItem('kaiten.apiKey')") == PAGE_KEY
+        third = context.new_page()
+        third.goto(keyed_gateway.url + "/")
+        third.wait_for_selector("body[data-conn=open]", timeout=10_000)
+        # Settings > Set API key > Forget key: the key is gone, and the server asks for one again.
+        third.click("#api-key-open")
+        assert third.locator("#api-key-forget").is_visible()
+        third.click("#api-key-forget")
+        assert third.evaluate("localStorage.getItem('kaiten.apiKey')") is None
+        third.reload()
+        third.wait_for_selector("body[data-conn=auth]", timeout=10_000)
+    finally:
+        context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"

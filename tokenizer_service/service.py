@@ -184,16 +184,17 @@ def load_app(model_dir: str = "") -> Starlette:
 
 def main(argv: list[str] | None = None) -> int:
     from shared.config import TokenizerServiceConfig
+    from shared.log_format import add_log_flags, setup_logging, uvicorn_log_config
 
     p = argparse.ArgumentParser(prog="kaiten tokenizer", description="Run the tokenizer service.")
     p.add_argument("--host", default=None, help="bind address (env KAITEN_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (env KAITEN_PORT; default 8001)")
     p.add_argument("--model", default=None, help="a model directory, a GGUF file or a Hugging Face repo id in "
                    "the local cache (env KAITEN_MODEL; default: the default SmolLM2)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_log_flags(p)
     args = p.parse_args(argv)
     cfg = TokenizerServiceConfig.from_env().with_overrides(host=args.host, port=args.port, model=args.model)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
 
     import uvicorn
 
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kaiten tokenizer: {e}", file=sys.stderr)
         return 2
     log.info("tokenizer service on http://%s:%d", cfg.host, cfg.port)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level.lower(), access_log=False,
+                log_config=uvicorn_log_config(args.log_format))
     return 0
 
 

@@ -3,13 +3,15 @@
  * Talks to the gateway over /v1/chat/ws (see .helpers/WS_PROTOCOL.md): one socket, one
  * generation at a time from this page, the whole conversation sent on every turn.
  * Helpers loaded before this file: markdown.js (model text to sanitized DOM), chats.js (past chats
- * in localStorage), status.js (the status line), clipboard.js (copy buttons).
+ * in localStorage), auth.js (the API key: socket subprotocols, HTTP headers, the key prompt),
+ * status.js (the status line), clipboard.js (copy buttons).
  * User text goes into the DOM as text; model text only through KaitenMarkdown (DOMPurify).
  * A streaming reply is re-rendered at most once per animation frame, never per token.
  *
  * Test hooks: every message is an <article class="msg" data-role=... data-state=...> where the
  * assistant's data-state is queued | streaming | done | stopped | error, plus data-finish-reason,
- * data-prompt-tokens, data-completion-tokens once done. <body data-conn="open|connecting|closed">.
+ * data-prompt-tokens, data-completion-tokens once done. <body data-conn="open|connecting|closed|auth">
+ * (auth: the server refused the key, 401; no reconnect until a key is entered).
  * window.kaitenChat exposes the socket and a few helpers (dropSocket, reconnectNow, snapshot).
  */
 (function () {
@@ -588,6 +590,7 @@
     if (!f || typeof f !== "object") return;
     if (f.type === "pong") return;
     var m = f.id != null ? byId.get(f.id) : null;
+    if (f.type === "error" && !m && f.status === 401) { authRefused = true; window.KaitenAuth.required(); return; }
     if (f.type === "error" && !m) { showNotice(f); return; }
     if (!m) return;   // a generation this page no longer tracks (new chat, stopped locally)
     switch (f.type) {
@@ -658,6 +661,7 @@
   var pongTimer = null;
   var countdownTimer = null;
   var unloading = false;
+  var authRefused = false;   // the server answered 401: wait for a key instead of reconnecting
 
   function wsUrl() {
     var proto = location.protocol === "https:" ? "wss:" : "ws:";
@@ -669,7 +673,7 @@
     clearTimeout(reconnectTimer); reconnectTimer = null;
     setConn("connecting");
     var sock;
-    try { sock = new WebSocket(wsUrl()); } catch (e) { ws = null; onSocketClosed("could not open a socket"); return; }
+    try { sock = new WebSocket(wsUrl(), window.KaitenAuth.protocols()); } catch (e) { ws = null; onSocketClosed("could not open a socket"); return; }
     ws = sock;
     sock.onopen = function () {
       if (ws !== sock) return;
@@ -716,7 +720,9 @@
     outbox = requeue.concat(outbox.filter(function (id) { return requeue.indexOf(id) < 0; }));
     updateControls();
     saveNow();
-    if (!unloading) scheduleReconnect();
+    if (unloading) return;
+    if (authRefused) setConn("auth");
+    else scheduleReconnect();
   }
 
   function scheduleReconnect() {
@@ -745,6 +751,9 @@
     clearInterval(countdownTimer); countdownTimer = null;
     if (state === "open") {
       els.connText.textContent = "Connected";
+      els.banner.hidden = true;
+    } else if (state === "auth") {
+      els.connText.textContent = "API key needed";
       els.banner.hidden = true;
     } else if (state === "connecting") {
       els.connText.textContent = attempt ? "Reconnecting…" : "Connecting…";
@@ -846,6 +855,12 @@
     els.chatsToggle.setAttribute("aria-expanded", "false");
   }
   els.reconnectNow.addEventListener("click", reconnectSoon);
+  // A new key: a refused or closed socket connects with it now (an open one keeps its session).
+  window.KaitenAuth.onChange(function () {
+    authRefused = false;
+    if (!wsOpen) { if (ws) onSocketClosed("new API key"); reconnectSoon(); }
+  });
+  $("api-key-open").addEventListener("click", function () { closeSettings(); window.KaitenAuth.open(); });
   ["system", "temperature", "top_p", "max_tokens", "seed"].forEach(function (k) {
     els[k].addEventListener("change", readSettingsFromForm);
   });

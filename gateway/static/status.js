@@ -5,6 +5,8 @@
  * 1" after the reply had finished). refreshSoon() polls now and a few times more while the engines'
  * heartbeats catch up: app.js calls it when a reply starts or ends.
  *
+ * It sends the page's API key (auth.js); a 401 opens the key prompt, and a new key polls again.
+ *
  * window.KaitenStatus = { start(el, onStatus), poll(), refreshSoon() }; onStatus(answer) sees every
  * answer shown.
  */
@@ -27,12 +29,17 @@
     var n = ++issued;
     var ctl = new AbortController();
     var t = setTimeout(function () { ctl.abort(); }, TIMEOUT_MS);
-    fetch("/v1/status", { cache: "no-store", signal: ctl.signal })
-      .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
+    var sentKey = window.KaitenAuth.key();
+    fetch("/v1/status", { cache: "no-store", signal: ctl.signal, headers: window.KaitenAuth.headers() })
+      .then(function (r) {
+        if (r.status === 401 && sentKey === window.KaitenAuth.key()) window.KaitenAuth.required();   // not a replaced key
+        if (!r.ok) throw new Error(r.status === 401 ? "API key needed" : "HTTP " + r.status);
+        return r.json();
+      })
       .then(function (s) { if (n > shown) { shown = n; render(s); } })
-      .catch(function () {
+      .catch(function (e) {
         if (n < issued) return;
-        el.textContent = "Status unavailable";
+        el.textContent = e && e.message === "API key needed" ? "Status: API key needed" : "Status unavailable";
         el.setAttribute("data-ok", "false");
       })
       .then(function () {
@@ -69,6 +76,7 @@
     document.addEventListener("visibilitychange", function () {
       if (document.visibilityState === "visible") poll();
     });
+    window.KaitenAuth.onChange(poll);
     poll();
   }
 
