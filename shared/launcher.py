@@ -41,7 +41,7 @@ from shared.model_source import ModelNotFoundError, resolve_model
 from shared.up_flags import EPILOG, add_child_flags, child_args, child_env
 from shared.version import kaiten_version
 
-log = logging.getLogger("kaiten.serve")
+log = logging.getLogger("kaiten.up")   # the name from before serve; log filters keep working
 
 
 def free_port(host: str = "127.0.0.1") -> int:
