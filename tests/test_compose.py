@@ -196,6 +196,11 @@ def test_docker_compose_config(tmp_path):
     cfg = yaml.safe_load(config("--profile", "gpu", "config", extra_env={"KAITEN_HTTP_PORT": "9123",
                                                                        "KAITEN_KV_CACHE_MEMORY": "3GiB"}).stdout)
     assert cfg["services"]["engine"]["environment"]["KAITEN_KV_CACHE_MEMORY"] == "3GiB"
+    logs = yaml.safe_load(config("--profile", "cpu", "--profile", "tokenizer", "config",
+                                 extra_env={"KAITEN_LOG_FORMAT": "json", "KAITEN_LOG_LEVEL": "WARNING"}).stdout)
+    for name in ("gateway", "engine-cpu", "tokenizer", "model-init"):
+        env = logs["services"][name]["environment"]
+        assert (env["KAITEN_LOG_FORMAT"], env["KAITEN_LOG_LEVEL"]) == ("json", "WARNING"), name
     assert _published(cfg["services"]["nginx"]["ports"][0]) == ("0.0.0.0", "9123")
     # Official images by default; scripts/compose-check.sh's local stand-ins and wheels by variable.
     svc = cfg["services"]
