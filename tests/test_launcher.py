@@ -311,13 +311,32 @@ def test_progress_logs_each_tenth_at_most_once_a_second(caplog):
 
     from shared.progress import Progress
     caplog.set_level(logging.INFO)
-    p = Progress(logging.getLogger("kaiten.test"), "converting", 100, min_interval=0.0)
+    p = Progress(logging.getLogger("kaiten.test"), "converting", 100, min_interval=0.0, stream=None)
     for _ in range(100):
         p.advance()
     p.finish()
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs[0] == "converting: 0/100" and msgs[-1].startswith("converting: done, 100/100 in ")
     assert [m for m in msgs[1:-1]] == [f"converting: {n}/100 ({n}%)" for n in range(10, 100, 10)]
+
+
+def test_progress_draws_a_bar_on_a_terminal(caplog):
+    import io
+    import logging
+
+    from shared.progress import BAR_WIDTH, Progress
+    caplog.set_level(logging.INFO)
+    term = io.StringIO()
+    p = Progress(logging.getLogger("kaiten.test"), "loading", 40, bar_interval=0.0, stream=term)
+    for _ in range(40):
+        p.advance()
+    p.finish()
+    frames = term.getvalue().split("\r")[1:]
+    assert len(frames) == 41 and term.getvalue().endswith("\n")          # a redraw per step, then the end
+    assert frames[19] == f"loading [{'#' * (BAR_WIDTH // 2)}{'.' * (BAR_WIDTH // 2)}]  50% 20/40"
+    assert frames[-1].startswith(f"loading [{'#' * BAR_WIDTH}] 100% 40/40")
+    msgs = [r.getMessage() for r in caplog.records]     # the bar replaces the tenths' log lines
+    assert msgs[0] == "loading: 0/40" and msgs[1].startswith("loading: done, 40/40 in ") and len(msgs) == 2
 
 
 def test_gateway_cli_takes_keys_origins_and_keepalive(monkeypatch):
