@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -368,16 +369,21 @@ def test_streams_two_turns_persists_and_screenshots(page, stack):
 
 def test_stop_cancels_generation(page, stack):
     pg = page
-    # With the tiny model this seed runs to max_tokens (470 tokens, over a second even on a fast
-    # machine): time enough to press Stop after the first words.
+    # With the tiny model this seed runs to max_tokens (470 tokens). A fast CPU makes them in well
+    # under a second, so the engine is paused (SIGSTOP) from the first words until Stop is pressed,
+    # far shorter than the failover timeout: the reply is still generating when Stop is clicked.
     settings(pg, temperature=1.0, top_p=1.0, max_tokens=470, seed=19)
     send(pg, "Write a very long story.")
     pg.wait_for_function(
         """() => { const a = [...document.querySelectorAll('article.msg-assistant')].pop();
                    return a && a.dataset.state !== 'queued' && a.querySelector('.msg-body').textContent.length > 0; }""",
-        timeout=30_000)
-    assert pg.locator("#stop").is_visible() and not pg.locator("#send").is_visible()
-    pg.click("#stop")
+        timeout=30_000, polling=5)
+    stack.engine.send_signal(signal.SIGSTOP)
+    try:
+        assert pg.locator("#stop").is_visible() and not pg.locator("#send").is_visible()
+        pg.click("#stop", timeout=5_000)
+    finally:
+        stack.engine.send_signal(signal.SIGCONT)
     reply = wait_reply_state(pg, ("stopped", "done", "error"), timeout=15_000)
     assert reply.get_attribute("data-state") == "stopped", \
         f"the reply was not stopped: {reply.get_attribute('data-state')} {reply.get_attribute('data-finish-reason')}"
