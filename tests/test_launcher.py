@@ -160,17 +160,8 @@ def test_up_rejects_a_busy_port():
 def test_serve_serves_and_stops_on_sigint(tiny_model_dir):
     port = free_port()
     proc = _run_up([str(tiny_model_dir), "--port", str(port), "--stop-timeout", "10"], command="serve")
-    lines = []
     try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline().decode(errors="replace")
-            if not line and proc.poll() is not None:
-                break
-            lines.append(line)
-            if "Kaiten is up" in line:
-                break
-        text = "".join(lines)
+        text = _wait_banner(proc)
         assert "Kaiten is up" in text, text
         assert "loading weights from" in text and "done, " in text, text       # start-up progress lines
         # The banner's curl line works (as a plain HTTP request).
