@@ -1,7 +1,8 @@
 """CppAttention (kernels/cpu_attention.py, the fused C++ kernel) against a dense causal attention
 computed in fp32 per sequence: decodes, prefill chunks over a cached prefix, full prefills, mixed
-batches; GQA groups 1/3/4, block sizes 16 and 1, head_dim 64/16/24, shuffled block pools, fp32 and
-bf16. Every cache slot the batch does not own holds NaN, so a read of one shows in the output."""
+batches; GQA groups 1/3/4, block sizes 16 and 1, head_dim 64/16/24 (and 32/96/128 in bf16),
+shuffled block pools, fp32 and bf16. Every cache slot the batch does not own holds NaN, so a read
+of one shows in the output."""
 from __future__ import annotations
 
 import math
@@ -109,6 +110,14 @@ def test_against_dense(backend, batch, heads, bs, d, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_head_dim_not_a_multiple_of_16(backend, dtype):
     check(backend, BATCHES["mixed"], 6, 2, 24, 16, dtype)
+
+
+@pytest.mark.parametrize("d", [32, 96, 128])
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_bf16_head_dims_in_chunks_of_32(backend, batch, d):
+    """On a CPU with AVX512-BF16 a bf16 head_dim that is a multiple of 32 is multiplied in bf16
+    pairs, in chunks of 32 dims: one to four chunks, and 96 as an output block of 64 and one of 32."""
+    check(backend, BATCHES[batch], 8, 2, d, 16, torch.bfloat16)
 
 
 @pytest.mark.parametrize("bs", [16, 5])
