@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_attention import cpu_ops_loaded
 from kernels.interface import AttentionBackend, AttentionMetadata, get_attention_backend
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ def _paged_attention_fake(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_ta
 
 class OpAttention:
     """An AttentionBackend for the model inside torch.compile: it forwards to the custom ops,
-    which call the backend named `name`."""
+    which call the backend named `name`; for the C++ CPU kernel, straight to its dispatcher ops
+    (kaiten_cpu::...) when they are loaded (the metadata is then int32 and the cache's dtype)."""
 
     cuda_graph_safe = False
 
@@ -94,9 +96,17 @@ class OpAttention:
         self.name = name
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        if self.name == "cpu" and cpu_ops_loaded():
+            torch.ops.kaiten_cpu.write_kv(key.to(k_cache.dtype), value.to(k_cache.dtype), k_cache, v_cache,
+                                          slot_mapping)
+            return
         torch.ops.kaiten.write_kv(key, value, k_cache, v_cache, slot_mapping, self.name)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.name == "cpu" and cpu_ops_loaded():
+            out = torch.ops.kaiten_cpu.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta.cu_seqlens_q,
+                                                       meta.seqlens_k, meta.block_tables, scale)
+            return out.to(q.dtype)
         return torch.ops.kaiten.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
                                                 meta.block_tables, scale, self.name)
 

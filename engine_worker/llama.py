@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from kernels.cpu_attention import cpu_ops_loaded
 from kernels.interface import AttentionBackend, AttentionMetadata
 from shared.progress import Progress
 
@@ -242,7 +243,8 @@ class PackedLinear(nn.Module):
     2-core AVX2 EPYC, SmolLM2's projections run about 2x faster at 8 rows and 1.1-1.3x faster at
     1, 64 and 512). fp32 anywhere; bf16 where the CPU has native bf16 (AVX512-BF16/AMX), since
     oneDNN emulates it elsewhere. Inference only (no autograd). Under torch.compile it runs as the
-    opaque op kaiten::packed_linear (Inductor lowers oneDNN linears only for frozen weights)."""
+    opaque op kaiten_cpu::packed_linear from the C++ extension where it is loaded, else the Python
+    op kaiten::packed_linear (Inductor lowers oneDNN linears only for frozen weights)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -258,7 +260,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.kaiten.packed_linear(x, self.packed, self.bias, self.out_features)
+            op = torch.ops.kaiten_cpu.packed_linear if cpu_ops_loaded() else torch.ops.kaiten.packed_linear
+            return op(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

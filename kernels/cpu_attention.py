@@ -12,6 +12,10 @@ OpenMP, and ninja), once per process, and cached on disk: TORCH_EXTENSIONS_DIR i
 the capability and a digest of the source are part of the extension's name, so machines and
 checkouts that share the cache get builds of their own. cpp_attention_available() says whether the kernel can be used;
 get_attention_backend("auto") falls back to the torch backend when it cannot.
+
+The extension also registers dispatcher ops for compiled graphs (kaiten_cpu::paged_attention,
+::write_kv, and ::packed_linear from csrc/packed_linear_cpu.cpp, oneDNN's linear on a packed
+weight); cpu_ops_loaded() says whether they are there.
 """
 from __future__ import annotations
 
@@ -28,11 +32,12 @@ import torch
 
 from kernels.interface import AttentionMetadata
 
-__all__ = ["CppAttention", "cpp_attention_available", "load_extension"]
+__all__ = ["CppAttention", "cpp_attention_available", "cpu_ops_loaded", "load_extension"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "packed_linear_cpu.cpp"]
 # The loaded extension module, or the reason it could not be built (per process).
 _EXTENSION_CACHE: dict[str, object] = {}
 
@@ -88,7 +93,7 @@ def _source_digest(cflags: list[str]) -> str:
     """A digest of the kernel source and its flags, part of the extension's name: checkouts with
     different kernels (another branch, an older release) then never load each other's build from
     the shared cache."""
-    return hashlib.sha1(_SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+    return hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(cflags).encode()).hexdigest()[:12]
 
 
 @contextlib.contextmanager
@@ -135,14 +140,33 @@ def load_extension():
             log.info("building the CPU attention kernel (%s) in %s ...", cap, build_dir)
         with _build_lock(build_dir):
             # -fopenmp: at::parallel_for is inline OpenMP code; the extension joins torch's libgomp
-            module = cpp_extension.load(name=name, sources=[str(_SOURCE)],
+            module = cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES],
                                         extra_cflags=["-O3", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"],
                                         build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
         _EXTENSION_CACHE["error"] = f"{type(e).__name__}: {e}"
         raise
+    _register_fakes()
     _EXTENSION_CACHE["module"] = module
     return module
+
+
+def _register_fakes() -> None:
+    """Shapes of the extension's dispatcher ops (kaiten_cpu::...) for torch.compile's tracing."""
+    torch.library.register_fake("kaiten_cpu::paged_attention")(
+        lambda q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale: torch.empty_like(q))
+    torch.library.register_fake("kaiten_cpu::write_kv")(
+        lambda key, value, k_cache, v_cache, slot_mapping: None)
+    torch.library.register_fake("kaiten_cpu::packed_linear")(
+        lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
+
+
+@torch._dynamo.assume_constant_result
+def cpu_ops_loaded() -> bool:
+    """Whether the extension's dispatcher ops (kaiten_cpu::paged_attention, ::write_kv,
+    ::packed_linear) are registered in this process. A compiled graph calls them directly: an op
+    defined in Python costs about 15 us a call in its wrappers. Read once when a graph is traced."""
+    return "module" in _EXTENSION_CACHE
 
 
 def cpp_attention_available() -> bool:

@@ -157,6 +157,21 @@ def test_a_failed_compile_falls_back_to_the_eager_model(tiny_model_dir, prompts,
     assert [c.token_ids for c in llm.generate(prompts, greedy())] == expected
 
 
+def test_compiled_cpu_graph_calls_the_extension_ops(tiny_model_dir, prompts, expected):
+    """With the C++ CPU kernel loaded, the compiled graph calls its dispatcher ops (kaiten_cpu::
+    paged_attention, write_kv, packed_linear) and none of the Python-defined ones."""
+    from kernels.cpu_attention import cpp_attention_available
+    if not cpp_attention_available():
+        pytest.skip("the C++ kernel is unavailable")
+    llm = make_llm(tiny_model_dir, attention_backend="cpu")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = [c.token_ids for c in llm.generate(prompts[:2], greedy())]
+    assert got == expected[:2]
+    ops = {e.key for e in prof.key_averages() if e.key.startswith("kaiten")}
+    assert {"kaiten_cpu::paged_attention", "kaiten_cpu::write_kv", "kaiten_cpu::packed_linear"} <= ops
+    assert not {op for op in ops if op.startswith("kaiten::")}
+
+
 def test_attention_ops_outside_a_step_match_the_backend():
     """The compiled forward's custom ops, called without a step context, find the backend by
     name and rebuild the metadata from its tensors; pad rows (slot -1) write no KV."""
