@@ -8,6 +8,7 @@ import torch
 
 from engine_worker.compiled_forward import CompiledForward
 from engine_worker.cuda_graphs import DecodeGraphRunner
+from engine_worker.host_memory import zeros_on_huge_pages
 from engine_worker.llama import LlamaForCausalLM, ModelConfig, PackedLinear, cpu_has_native_bf16
 from engine_worker.scheduler import ScheduledBatch
 from kernels.interface import AttentionMetadata, get_attention_backend
@@ -145,6 +146,9 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        if self.device.type == "cpu":
+            return [(zeros_on_huge_pages(shape, self.dtype), zeros_on_huge_pages(shape, self.dtype))
+                    for _ in range(cfg.num_layers)]
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
 
