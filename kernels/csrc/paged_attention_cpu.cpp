@@ -391,11 +391,20 @@ inline void qk_rows_bf16(const c10::BFloat16* q, int64_t rows, int64_t dp, const
 // ------------------------------------------------------------------------------ O += P V in bf16
 // P is rounded to bf16 and multiplied in pairs of keys: vdpbf16ps adds p[j] v[j][d] + p[j+1]
 // v[j+1][d] to the fp32 output lane of dim d. The pairs of two V rows come from 16-bit unpacks,
-// which interleave within 128-bit lanes, so the output rows are kept in that order: position i
-// of each 32-dim chunk holds dim pair_dim(i), put back in order by store_rows.
-inline int64_t pair_dim(int64_t i) {
-  const int64_t c = i / 32, v = (i % 32) / 16, lane = i % 16;
-  return 32 * c + 8 * (lane / 4) + 4 * v + lane % 4;
+// which interleave within 128-bit lanes, so the output rows are kept in that order ("pair
+// order"): in each 32-dim chunk, lane l of the first 16 floats holds dim 8 (l / 4) + l % 4 and
+// lane l of the next 16 holds dim 8 (l / 4) + 4 + l % 4. store_pair_row puts them back.
+
+// An output row in pair order, times inv, into dst in dim order as bf16 (RNE, as a cast).
+inline void store_pair_row(const float* o, int64_t d, float inv, c10::BFloat16* dst) {
+  const __m512i first_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 s = _mm512_set1_ps(inv);
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(o + c), s), b = _mm512_mul_ps(_mm512_loadu_ps(o + c + 16), s);
+    const __m512 first = _mm512_permutex2var_ps(a, first_idx, b), second = _mm512_permutex2var_ps(a, second_idx, b);
+    _mm512_storeu_si512(dst + c, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+  }
 }
 
 // NR rows, NC 32-dim chunks starting at dim d0, over npairs key pairs.
@@ -537,7 +546,7 @@ inline void init_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g
   std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
 }
 
-// Rows computed by the bf16 dot products hold their dims in pair_dim order (dot: true).
+// Rows computed by the bf16 dot products hold their dims in pair order (dot: true).
 template <typename T>
 inline void store_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w, bool dot) {
   const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
@@ -557,7 +566,7 @@ inline void store_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& 
       continue;
     }
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-    for (int64_t i = 0; i < g.d; ++i) dst[pair_dim(i)] = static_cast<T>(o[i] * inv);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) store_pair_row(o, g.d, inv, dst);
 #endif
   }
 }
