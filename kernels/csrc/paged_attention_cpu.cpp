@@ -7,15 +7,15 @@
 // and walks the context in tiles of KT = 16 keys read in place from the paged cache (no gather
 // copy), so each K and V row is read once per item for all R rows. Per key tile:
 //   S = Q K^T   many rows (prefill): the K tile is converted to fp32 and transposed to [D][KT],
-//               and the dot products are vector FMAs over keys; few rows (decode, R <= 4): one
-//               dot product per row and key straight from the cache row;
+//               and the dot products are vector FMAs over keys; few rows (decode, R <= 4): dot
+//               products straight from the cache rows, 16 keys' sums reduced at once (AVX-512);
 //   softmax     online: running max and sum per row in fp32, causal mask per row (query j of a
 //               sequence sits at position ctx - q_len + j and sees keys 0..that position);
 //   O += P V    vector FMAs over head_dim, O in fp32.
 // With AVX512-BF16 and a bf16 cache (head_dim a multiple of 32), both products multiply bf16
 // pairs instead (vdpbf16ps, fp32 sums): S from the bf16 query and K as they are, O from P rounded
-// to bf16 and the V rows as they are. No conversion to fp32; 16% less time per decode step and
-// 15% per prefill chunk than the fp32 products.
+// to bf16 and the V rows as they are. No conversion to fp32: 16% less time per decode step and
+// 15% per prefill chunk than the fp32 products (one thread, 1 GiB cache, 30 layers).
 // While a tile is computed, the next tile's K/V rows are prefetched (they are strided and
 // scattered over blocks; waiting for them otherwise dominates a decode).
 //
@@ -176,8 +176,43 @@ inline void qk_rows(const float* q, int64_t rows, int64_t dp, const float* kt, f
   }
 }
 
-// Few rows (a decode: the G heads of one token): one dot product per row and key straight from the
-// cache rows, cheaper than converting and transposing the tile for so few rows. Needs d == dp.
+// Few rows (a decode: the G heads of one token): dot products straight from the cache rows,
+// cheaper than converting and transposing the tile for so few rows. Needs d == dp. With AVX-512,
+// per row 16 key accumulators summed by one hsum16; elsewhere one horizontal sum per key.
+#if defined(CPU_CAPABILITY_AVX512)
+// out[j] = the sum of a[j]'s 16 lanes, for 16 vectors: a tree of lane shuffles and adds (45
+// instructions where 16 horizontal sums take about 130).
+__attribute__((always_inline)) inline __m512 hsum16(const __m512* a) {
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i)   // 256-bit halves: key 2i | key 2i+1, 8 partial sums each
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)   // 128-bit lanes: keys 4i .. 4i+3, 4 partial sums each
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)   // lane k: 2 partial sums of keys 8i+k, 8i+4+k
+    f[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
+  // element m of 128-bit lane k holds key 4m + k
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
+}
+
+template <int NR, typename T>
+inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, int nk, float* s) {
+  const T* k[KT];                         // keys past nk repeat the last one (masked later)
+  for (int j = 0; j < KT; ++j) k[j] = krows[std::min(j, nk - 1)];
+  for (int r = 0; r < NR; ++r) {
+    __m512 acc[KT];
+    UNROLL for (int j = 0; j < KT; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dp; c += VL) {
+      const __m512 qv = _mm512_loadu_ps(q + r * dp + c);
+      UNROLL for (int j = 0; j < KT; ++j) acc[j] = _mm512_fmadd_ps(qv, load_f32(k[j] + c), acc[j]);
+    }
+    _mm512_storeu_ps(s + r * KT, hsum16(acc));
+  }
+}
+#else
 template <int NR, typename T>
 inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, int nk, float* s) {
   for (int j = 0; j < nk; ++j) {
@@ -190,6 +225,7 @@ inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, i
     UNROLL for (int r = 0; r < NR; ++r) s[r * KT + j] = hsum(acc[r]);
   }
 }
+#endif
 
 template <typename T>
 inline void qk_direct(const float* q, int64_t rows, int64_t dp, const T* const* krows, int nk, float* s) {
@@ -292,24 +328,6 @@ inline void pv_rows(Scratch& w, int64_t r0, int64_t r1, int64_t dp, const TV* co
 constexpr bool kBf16Dot = true;
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-
-// out[j] = the sum of a[j]'s 16 lanes, for 16 vectors: a tree of lane shuffles and adds (45
-// instructions where 16 horizontal sums take about 130).
-__attribute__((always_inline)) inline __m512 hsum16(const __m512* a) {
-  __m512 c[8], e[4], f[2];
-  for (int i = 0; i < 8; ++i)   // 256-bit halves: key 2i | key 2i+1, 8 partial sums each
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)   // 128-bit lanes: keys 4i .. 4i+3, 4 partial sums each
-    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)   // lane k: 2 partial sums of keys 8i+k, 8i+4+k
-    f[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
-  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
-  // element m of 128-bit lane k holds key 4m + k
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
-}
 
 // Few rows (a decode), straight from the cache rows: per row, 16 key accumulators of NC
 // vdpbf16ps each (head_dim = 32 NC), then one hsum16. Keys past nk repeat the last one (masked).
