@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_attention import cpu_ops_loaded
 from kernels.interface import AttentionBackend, AttentionMetadata, get_attention_backend
 
 log = logging.getLogger(__name__)
@@ -87,26 +86,18 @@ def _paged_attention_fake(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_ta
 
 class OpAttention:
     """An AttentionBackend for the model inside torch.compile: it forwards to the custom ops,
-    which call the backend named `name`; for the C++ CPU kernel, straight to its dispatcher ops
-    (kaiten_cpu::...) when they are loaded (the metadata is then int32 and the cache's dtype)."""
+    which call the backend named `name` (for backends that are not compile_safe)."""
 
     cuda_graph_safe = False
+    compile_safe = True
 
     def __init__(self, name: str):
         self.name = name
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        if self.name == "cpu" and cpu_ops_loaded():
-            torch.ops.kaiten_cpu.write_kv(key.to(k_cache.dtype), value.to(k_cache.dtype), k_cache, v_cache,
-                                          slot_mapping)
-            return
         torch.ops.kaiten.write_kv(key, value, k_cache, v_cache, slot_mapping, self.name)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.name == "cpu" and cpu_ops_loaded():
-            out = torch.ops.kaiten_cpu.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta.cu_seqlens_q,
-                                                       meta.seqlens_k, meta.block_tables, scale)
-            return out.to(q.dtype)
         return torch.ops.kaiten.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
                                                 meta.block_tables, scale, self.name)
 
@@ -151,7 +142,7 @@ class CompiledForward:
     def __init__(self, model: torch.nn.Module, kv_caches, backend: AttentionBackend):
         configure_inductor()
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
-        self.ops = OpAttention(backend.name)
+        self.ops = backend if backend.compile_safe else OpAttention(backend.name)
         for k_cache, v_cache in kv_caches:          # the pool's size differs between engines
             torch._dynamo.decorators.mark_unbacked(k_cache, 0)
             torch._dynamo.decorators.mark_unbacked(v_cache, 0)

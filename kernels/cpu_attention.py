@@ -165,7 +165,8 @@ def _register_fakes() -> None:
 def cpu_ops_loaded() -> bool:
     """Whether the extension's dispatcher ops (kaiten_cpu::paged_attention, ::write_kv,
     ::packed_linear) are registered in this process. A compiled graph calls them directly: an op
-    defined in Python costs about 15 us a call in its wrappers. Read once when a graph is traced."""
+    defined in Python costs about 15 us a call in its wrappers. Read once when a graph is traced
+    (PackedLinear; CppAttention exists only with them)."""
     return "module" in _EXTENSION_CACHE
 
 
@@ -185,29 +186,29 @@ def cpp_attention_available() -> bool:
 
 
 class CppAttention:
-    """CPU paged attention through the fused C++ kernel. Stateless apart from the loaded
-    extension, so one instance may serve several threads."""
+    """CPU paged attention through the fused C++ kernel's dispatcher ops (kaiten_cpu::...).
+    Stateless, so one instance may serve several threads; the ops have fake kernels, so a compiled
+    model calls them directly (compile_safe), without a Python-defined op in between."""
 
     name = "cpu"
     cuda_graph_safe = False
+    compile_safe = True
 
     def __init__(self) -> None:
-        self._ext = load_extension()
+        load_extension()
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if key.shape[0] == 0:
-            return
-        self._ext.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
-                           slot_mapping.to(torch.int64))
+        torch.ops.kaiten_cpu.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
+                                      slot_mapping.to(torch.int64))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out_dtype = q.dtype
         if q.dtype != k_cache.dtype:
             q = q.to(k_cache.dtype)
-        out = self._ext.paged_attention(q, k_cache, v_cache, _int32(meta.cu_seqlens_q),
-                                        _int32(meta.seqlens_k), _int32(meta.block_tables), float(scale))
+        out = torch.ops.kaiten_cpu.paged_attention(q, k_cache, v_cache, _int32(meta.cu_seqlens_q),
+                                                   _int32(meta.seqlens_k), _int32(meta.block_tables), float(scale))
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

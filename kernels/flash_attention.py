@@ -26,6 +26,7 @@ _FA_DTYPES = (torch.float16, torch.bfloat16)
 class FlashAttention:
     name = "flash_attn"
     cuda_graph_safe = True
+    compile_safe = False
     REQUIRED_BLOCK_SIZE = 256
 
     def __init__(self):

@@ -44,6 +44,8 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
     cuda_graph_safe: bool       # launches capturable in a CUDA graph (no host syncs or host values)
+    compile_safe: bool          # traceable by torch.compile as it is (dispatcher ops with fake kernels,
+                                # no host values); else the compiled model reaches it through custom ops
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

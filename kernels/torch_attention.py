@@ -80,6 +80,7 @@ class TorchAttention:
 
     name = "torch"
     cuda_graph_safe = False     # plans on the host from the metadata's values
+    compile_safe = False
 
     def __init__(self, group_max_seqs: int = 8, group_min_fill: float = 0.8,
                  group_max_tokens: int = 8192) -> None:
