@@ -146,11 +146,12 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        if self.device.type == "cpu":
-            return [(zeros_on_huge_pages(shape, self.dtype), zeros_on_huge_pages(shape, self.dtype))
-                    for _ in range(cfg.num_layers)]
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+
+        def zeros() -> torch.Tensor:
+            if self.device.type == "cpu":
+                return zeros_on_huge_pages(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
     def _compile(self) -> CompiledForward | None:
         """The compiled CPU forward, or None (eager, with a warning) where Inductor cannot build
