@@ -240,12 +240,14 @@ def test_dockerfile_matches_the_package():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
     stages = _stages(text)
-    assert list(stages) == ["base", "slim", "torch", "engine"]
+    assert list(stages) == ["base", "src", "slim", "torch", "engine"]
     assert torch_pin in stages["torch"], f"{torch_pin} not pinned in the torch stage"
+    # Every package goes into the src stage's tree, and both images copy that tree.
+    for pkg in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        pkg = pkg.rstrip("*")
+        assert re.search(rf"^COPY {pkg} /app/{pkg}$", stages["src"], re.M), f"the src stage does not copy {pkg}/"
     for image in ("slim", "engine"):
-        for pkg in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
-            pkg = pkg.rstrip("*")
-            assert re.search(rf"^COPY {pkg} ", stages[image], re.M), f"the {image} image does not copy {pkg}/"
+        assert "COPY --from=src /app ./" in stages[image], f"the {image} image does not copy the sources"
         assert 'ENTRYPOINT ["kaiten"]' in stages[image] and "USER kaiten" in stages[image]
     # The slim image installs no torch and no compiler; the engine copies the torch stage's venv,
     # so the local wheels (COPY docker/wheels/) stay in the torch stage.
