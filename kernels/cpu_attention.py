@@ -161,12 +161,11 @@ def _register_fakes() -> None:
         lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
 
 
-@torch._dynamo.assume_constant_result
 def cpu_ops_loaded() -> bool:
     """Whether the extension's dispatcher ops (kaiten_cpu::paged_attention, ::write_kv,
     ::packed_linear) are registered in this process. A compiled graph calls them directly: an op
-    defined in Python costs about 15 us a call in its wrappers. Read once when a graph is traced
-    (PackedLinear; CppAttention exists only with them)."""
+    defined in Python costs about 15 us a call in its wrappers (PackedLinear; CppAttention exists
+    only with them). Traced by Dynamo as one guard on _EXTENSION_CACHE."""
     return "module" in _EXTENSION_CACHE
 
 
