@@ -10,31 +10,27 @@ faulted in again each step.)
 """
 from __future__ import annotations
 
-import ctypes
-import logging
+import contextlib
 import math
-import sys
+import mmap
 
 import torch
 
-log = logging.getLogger(__name__)
-
 _HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype) on the CPU, 2 MiB aligned and advised as huge pages before
-    its first touch. Elsewhere than Linux, for tensors under 2 MiB, or if madvise fails (THP
-    `never`), plain pages: the contents are the same either way."""
+    """torch.zeros(shape, dtype=dtype) on the CPU, in a private anonymous mapping 2 MiB aligned and
+    advised as huge pages before its first touch. The tensor starts its own storage (offset 0), as
+    torch.zeros' does: Inductor's graph cache keys on the inputs' storage offsets. Where mmap has
+    no MADV_HUGEPAGE (not Linux), and for tensors under 2 MiB, plain torch.zeros; where the kernel
+    refuses the advice (no THP support), small pages. The contents are the same either way."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if not sys.platform.startswith("linux") or nbytes < _HUGE_PAGE:
+    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < _HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _HUGE_PAGE
-    libc = ctypes.CDLL(None, use_errno=True)
-    length = nbytes // _HUGE_PAGE * _HUGE_PAGE
-    if libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(length), _MADV_HUGEPAGE) != 0:
-        log.debug("madvise(MADV_HUGEPAGE) failed (errno %d): the KV cache stays on small pages", ctypes.get_errno())
-    out = raw[start:start + nbytes].view(dtype).view(shape)
-    return out.zero_()
+    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr() % _HUGE_PAGE
+    with contextlib.suppress(OSError):
+        buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes // _HUGE_PAGE * _HUGE_PAGE)
+    out = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=start).view(shape)
+    return out.zero_()                  # commits the memory now, as torch.zeros does

@@ -14,6 +14,7 @@ def test_zeros_on_huge_pages_are_aligned_zeros(dtype):
     shape = (400, 16, 3, 64)                   # 2.3 MiB in bf16, 4.7 in fp32: not whole huge pages
     t = zeros_on_huge_pages(shape, dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert t.storage_offset() == 0             # Inductor's graph cache keys on it (a restart must hit)
     assert not t.any()
     if sys.platform.startswith("linux"):
         assert t.data_ptr() % (2 << 20) == 0
