@@ -79,6 +79,8 @@ class Stack:
     gateway: subprocess.Popen | None = None
     url: str = ""
     signalled: set = field(default_factory=set)          # engines the bench stopped on purpose
+    engine_flags: list = field(default_factory=list)     # more `kaiten engine` flags
+    gateway_flags: list = field(default_factory=list)    # more `kaiten gateway` flags
 
     def env(self) -> dict[str, str]:
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -95,7 +97,8 @@ class Stack:
     def start_engine(self, engine_id: str) -> None:
         """`kaiten engine` (or, with a step delay, the same engine with every step slowed: tests/slow_engine.py)."""
         flags = ["--model", self.model, "--redis-url", self.redis_url, "--engine-id", engine_id,
-                 "--num-threads", str(self.num_threads), "--dtype", self.dtype, "--log-level", "INFO"]
+                 "--num-threads", str(self.num_threads), "--dtype", self.dtype, "--log-level", "INFO",
+                 *self.engine_flags]
         head = ["-m", "tests.slow_engine", str(self.step_delay), "-"] if self.step_delay else ["-m", "shared.cli",
                                                                                                 "engine"]
         self.engines[engine_id] = self._spawn(engine_id, [sys.executable, *head, *flags])
@@ -105,7 +108,7 @@ class Stack:
         self.url = f"http://127.0.0.1:{port}"
         self.gateway = self._spawn("gateway", [sys.executable, "-m", "shared.cli", "gateway", "--host", "127.0.0.1",
                                                "--port", str(port), "--model", self.model, "--redis-url",
-                                               self.redis_url, "--log-level", "INFO"])
+                                               self.redis_url, "--log-level", "INFO", *self.gateway_flags])
 
     def log_tail(self, name: str) -> str:
         p = self.workdir / f"{name}.log"
@@ -558,8 +561,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     rep["load_avg_after"] = load_avg()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rep, indent=1))
-    out.with_suffix(".md").write_text(render(rep))
+    # Not with_suffix: it would turn "<name>.quick" into "<name>.json", the full run's results.
+    Path(f"{out}.json").write_text(json.dumps(rep, indent=1))
+    Path(f"{out}.md").write_text(render(rep))
     print(render(rep))
     ok = all(s["streams_ok"] == args.num_requests for s in rep["rounds"])
     return 0 if ok and rep.get("reference", {}).get("equal", 0) == rep.get("reference", {}).get("compared", 0) else 1

@@ -1,8 +1,9 @@
 """Paged KV-cache blocks: allocation, reference counts and prefix-cache hashes. Nothing else.
 
-A full block's hash chains from its parent's hash and its token ids, so equal hashes mean equal
-prefixes (confirmed by comparing the tokens). A freed block that holds a hash stays in the cache
-and is evicted least-recently-used when a fresh block is needed.
+A full block's hash chains from its parent's hash and its token ids (``shared.block_hash``, the
+function gateways route with), so equal hashes mean equal prefixes (confirmed by comparing the
+tokens). A freed block that holds a hash stays in the cache and is evicted least-recently-used when
+a fresh block is needed. ``cache_version`` changes whenever the set of cached hashes does.
 """
 from __future__ import annotations
 
@@ -10,12 +11,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine_worker.sequence import Sequence
+from shared.block_hash import ROOT, block_hash
 
 NO_HASH = -1
-
-
-def block_hash(parent_hash: int, token_ids: list[int]) -> int:
-    return hash((parent_hash, tuple(token_ids)))
 
 
 @dataclass(slots=True)
@@ -36,6 +34,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.cache_version = 0                                       # bumped when hash_to_block changes
 
     # ---- numbers -------------------------------------------------------------------------
     @property
@@ -63,7 +62,7 @@ class BlockManager:
         so the forward pass always computes at least that token's logits."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], NO_HASH
+        hits, parent = [], ROOT
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
@@ -75,6 +74,10 @@ class BlockManager:
             parent = h
         return hits
 
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the cache holds now (in use or evictable)."""
+        return list(self.hash_to_block)
+
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
@@ -85,7 +88,7 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else NO_HASH
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
@@ -93,6 +96,7 @@ class BlockManager:
             if block.hash == NO_HASH and h not in self.hash_to_block:
                 block.hash, block.token_ids = h, tokens
                 self.hash_to_block[h] = block.block_id
+                self.cache_version += 1
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
@@ -113,16 +117,25 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks. Hashed blocks stay cached, most recently used last."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.hash == NO_HASH:
-                    self.free_ids.append(block_id)
-                else:
-                    self.evictable[block_id] = None
+            self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past the sequence's tokens (those only rejected drafts used)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            if block.hash == NO_HASH:
+                self.free_ids.append(block_id)
+            else:
+                self.evictable[block_id] = None
 
     def _pop_free(self) -> int:
         if self.free_ids:
@@ -131,6 +144,7 @@ class BlockManager:
         block = self.blocks[block_id]
         del self.hash_to_block[block.hash]
         block.hash, block.token_ids = NO_HASH, []
+        self.cache_version += 1
         return block_id
 
     def _take(self, block_id: int) -> int:

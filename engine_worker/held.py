@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from shared import names
+
 
 @dataclass(frozen=True, slots=True)
 class HeldRequest:
@@ -13,6 +15,7 @@ class HeldRequest:
     entry_id: bytes
     reply_to: str
     deadline: float | None           # gateway clock, unix seconds
+    stream: str = names.REQUEST_STREAM
 
 
 class HeldRequests:

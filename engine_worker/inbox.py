@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from shared import names
+
 
 @dataclass(slots=True)
 class StreamEntry:
@@ -15,6 +17,7 @@ class StreamEntry:
     fields: dict | None          # None: the entry was deleted while pending
     deliveries: int
     source: str                  # "new", "pending" (own, re-read), "claimed from X", "orphan"
+    stream: str = names.REQUEST_STREAM   # the shared stream, or an engine's own (routed)
 
     @property
     def taken_over(self) -> bool:
@@ -70,9 +73,9 @@ class Inbox:
             self.wake.clear()
         return box
 
-    def entry_ids(self) -> set[bytes]:
+    def entry_ids(self) -> set[tuple[str, bytes]]:
         with self._cond:
-            return {e.entry_id for e in self._box.entries}
+            return {(e.stream, e.entry_id) for e in self._box.entries}
 
     def set_capacity(self, n: int) -> None:
         with self._cond:

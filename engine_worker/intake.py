@@ -44,6 +44,7 @@ def dead_letter_fields(entry: StreamEntry, reason: str, engine_id: str, request_
     """The entry for ``kaiten:requests:dead``: the payload, why, and where it came from."""
     fields = entry.fields or {}
     dead = {"m": fields.get(names.PAYLOAD_FIELD, b""), "error": reason, "source_id": entry.entry_id,
+            "source_stream": entry.stream,
             "engine_id": engine_id, "deliveries": entry.deliveries, "time": repr(time.time())}
     others = {k: v for k, v in fields.items() if k != names.PAYLOAD_FIELD}
     if others:

@@ -4,7 +4,7 @@ The loop ``start()``s a round after a step and it runs while the next step compu
 collects it without waiting. At most one round is in flight: while one is (a slow Redis), a
 step's deltas stay in the publisher and are merged into the next round. The pipeline, in order:
 one PUBLISH per gateway (its ``TokenBatch``), XADD of dead letters (MAXLEN-bounded), then XACK and
-XDEL of finished entries, so the request stream holds only unfinished work."""
+XDEL of finished entries (per stream: the shared one and this engine's own), so the request stream holds only unfinished work."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -24,6 +24,13 @@ class RoundResult:
     command_errors: list[str] = field(default_factory=list)   # single commands that failed
     receivers: int = 0                        # subscribers that got a message (sum of PUBLISH)
     rtt: float = 0.0
+
+
+def by_stream(entries: list[tuple[str, bytes]]) -> dict[str, list[bytes]]:
+    grouped: dict[str, list[bytes]] = {}
+    for stream, entry_id in entries:
+        grouped.setdefault(stream, []).append(entry_id)
+    return grouped
 
 
 class IoRound:
@@ -66,11 +73,12 @@ class IoRound:
             p.publish(channel, data)
         for dead in out.dead_letters:
             p.xadd(names.DEAD_LETTER_STREAM, dead, maxlen=names.DEAD_LETTER_MAXLEN, approximate=True)
-        if out.done_entries:
-            p.xack(names.REQUEST_STREAM, names.ENGINE_GROUP, *out.done_entries)
-            p.xdel(names.REQUEST_STREAM, *out.done_entries)
+        done = by_stream(out.done_entries)
+        for stream, ids in done.items():
+            p.xack(stream, names.ENGINE_GROUP, *ids)
+            p.xdel(stream, *ids)
         kinds = (["publish"] * len(out.messages) + ["dead letter"] * len(out.dead_letters)
-                 + ["xack", "xdel"] * bool(out.done_entries))
+                 + ["xack", "xdel"] * len(done))
         try:
             replies = p.execute(raise_on_error=False)
         except Exception as e:      # connection/timeout errors, a Redis still loading, ...

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine_worker.block_manager import BlockManager
@@ -18,6 +19,7 @@ from engine_worker.sampler import Sampler
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler import ScheduledBatch, Scheduler
 from engine_worker.sequence import Sequence
+from engine_worker.speculative import Speculator
 from engine_worker.structured_output import StructuredOutput
 from shared.config import EngineConfig
 from shared.protocol import TokenLogprob
@@ -59,6 +61,10 @@ class EngineStats:
     step_count: int
     prefix_cache_queries: int            # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int               # of which the cache served (cumulative)
+    spec_decode_num_drafts: int = 0      # speculative decoding (cumulative): verifications,
+    spec_decode_num_draft_tokens: int = 0     # drafts scored,
+    spec_decode_num_accepted_tokens: int = 0  # drafts accepted,
+    spec_decode_accepted_per_position: list[int] = field(default_factory=list)   # and by draft position
 
 
 class LLMEngine:
@@ -77,6 +83,8 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(self.eos_token_ids)
+        spec = config.speculative()
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.structured = StructuredOutput(config.model, self.vocab_size, self.eos_token_ids)
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
@@ -162,6 +170,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.seqs:
             outputs.extend(self._run(batch))
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
         self.step_count += 1
         return outputs
 
@@ -177,37 +187,61 @@ class LLMEngine:
             self._pending_outputs.append(self._output(seq, [], None, error))
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        # Sample only for sequences whose whole context is computed after this step.
+        # Sample only for sequences whose whole context (and drafts) is computed after this step.
         rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                if seq.num_computed_tokens + n == seq.num_tokens]
+                if seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids)]
         spans, targets = self._prompt_logprob_spans(batch)
-        logits, prompt_logits = self.runner.run(batch, rows, [(r, first, len(t)) for r, first, t in spans])
+        counts = [1 + len(batch.seqs[i].spec_token_ids) for i in rows]
+        logits, prompt_logits = self.runner.run(batch, rows, [(r, first, len(t)) for r, first, t in spans], counts)
         if prompt_logits is not None:
             self._collect_prompt_logprobs(batch, spans, prompt_logits, targets)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)     # drafts count once accepted
             self.block_manager.cache_full_blocks(seq)
         if not rows:
             return []
         seqs = [batch.seqs[i] for i in rows]
-        self.structured.apply_bitmasks(logits, seqs)
-        sampled = self.sampler(logits, seqs)
-        grammar_states = self.structured.accept(seqs, sampled.token_ids)
+        scored = Speculator.expand(seqs) if len(logits) > len(seqs) else seqs
+        self.structured.apply_bitmasks(logits, scored)
+        sampled = self.sampler(logits, scored)
+        starts = np.cumsum([0] + counts)
+        grammar_states = self.structured.accept(seqs, [sampled.token_ids[i] for i in starts[:-1]])
         outputs = []
         now = time.time()
-        for seq, token, logprob, state in zip(seqs, sampled.token_ids, sampled.logprobs, grammar_states):
+        for seq, start, count, state in zip(seqs, starts, counts, grammar_states):
+            tokens, logprobs = sampled.token_ids[start:start + count], sampled.logprobs[start:start + count]
+            if count > 1:
+                accepted = self.speculator.accept(seq, tokens)
+                tokens, logprobs = tokens[:accepted + 1], logprobs[:accepted + 1]
+            outputs.append(self._append(seq, tokens, logprobs, state, now))
+        return outputs
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list, state, now: float) -> RequestOutput:
+        """Add a step's verified tokens to `seq` up to the first that finishes it; release the
+        blocks only rejected drafts used, and cache the blocks the accepted drafts filled."""
+        num_drafts, seq.spec_token_ids = len(tokens) - 1, []
+        if not seq.first_token_time:
+            seq.first_token_time = now
+        error = state if state not in (None, "terminated") else None
+        reason = None
+        kept = 0
+        for token in tokens:
             seq.token_ids.append(token)
-            if not seq.first_token_time:
-                seq.first_token_time = now
-            error = state if state not in (None, "terminated") else None
+            kept += 1
             reason = "error" if error else "stop" if state == "terminated" else self._stop_reason(seq, token)
             if reason:
-                self.scheduler.finish(seq, reason)
-            out = self._output(seq, [token], [logprob] if logprob else None, error)
-            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
-                out.prompt_logprobs = [None] + seq.prompt_logprobs
-            outputs.append(out)
-        return outputs
+                break
+        if num_drafts:
+            seq.num_computed_tokens += min(num_drafts, kept)
+            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.trim(seq)
+        if reason:
+            self.scheduler.finish(seq, reason)
+        lps = [lp for lp in logprobs[:kept] if lp]
+        out = self._output(seq, tokens[:kept], lps or None, error)
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == kept:
+            out.prompt_logprobs = [None] + seq.prompt_logprobs
+        return out
 
     @staticmethod
     def _prompt_logprob_spans(batch: ScheduledBatch) -> tuple[list[tuple[int, int, list[int]]], list[int]]:
@@ -267,7 +301,27 @@ class LLMEngine:
             kv_cache_usage=bm.usage, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks, max_num_seqs=s.max_num_seqs,
             num_preemptions=s.num_preemptions, step_count=self.step_count,
-            prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens)
+            prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats
+        return dict(spec_decode_num_drafts=st.num_drafts, spec_decode_num_draft_tokens=st.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_decode_accepted_per_position=list(st.accepted_per_position))
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    def prefix_cache_version(self) -> int:
+        """Changes whenever the set of cached block hashes does."""
+        return self.block_manager.cache_version
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.block_manager.cached_hashes()
 
     def check_block_accounting(self) -> None:
         """Assert that all blocks are free, cached or held by a live sequence (used by tests)."""

@@ -31,6 +31,9 @@ COUNTERS = (
     ("num_preemptions", "kaiten:num_preemptions", "Sequences the engine preempted (recomputed later)."),
     ("prefix_cache_queries", "kaiten:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "kaiten:prefix_cache_hits", "Prompt tokens the prefix cache served."),
+    ("spec_decode_num_drafts", "kaiten:spec_decode_num_drafts", "Speculative verifications (a sequence's drafts)."),
+    ("spec_decode_num_draft_tokens", "kaiten:spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    ("spec_decode_num_accepted_tokens", "kaiten:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 )
 
 
@@ -86,6 +89,10 @@ class EngineMetrics:
                              buckets=STEP_BUCKETS)
         self.round_time = own(Histogram, "kaiten:engine_redis_round_seconds",
                               "The per-step Redis round trip (publish tokens, ACK, delete).", buckets=ROUND_BUCKETS)
+        self.per_position = Counter("kaiten:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft (0: the first).",
+                                    [*labels, "position"], registry=r)
+        self._labels, self._last_per_position = labels, []
         r.register(WorkerEvents(counters, labels))
         self._server = None
 
@@ -98,6 +105,12 @@ class EngineMetrics:
             if grew > 0:
                 c.inc(grew)
                 self._last[f] = stats[f]
+        per_position = stats.get("spec_decode_accepted_per_position", [])
+        self._last_per_position += [0] * (len(per_position) - len(self._last_per_position))
+        for pos, (now, last) in enumerate(zip(per_position, self._last_per_position)):
+            if now > last:
+                self.per_position.labels(**self._labels, position=str(pos)).inc(now - last)
+                self._last_per_position[pos] = now
 
     def serve(self, host: str, port: int) -> None:
         """GET /metrics on host:port (0: not served). A port in use costs only the metrics: logged,

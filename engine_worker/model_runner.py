@@ -173,7 +173,10 @@ class ModelRunner:
         klens = [seq.num_computed_tokens + n for seq, n in zip(seqs, qlens)]
         input_ids: list[int] = []
         for seq, n, end in zip(seqs, qlens, klens):
-            input_ids += seq.token_ids[end - n:end]
+            if seq.spec_token_ids:           # the last token, then the drafts to verify
+                input_ids += seq.token_ids[end - n:] + seq.spec_token_ids
+            else:
+                input_ids += seq.token_ids[end - n:end]
         width = max(len(seq.block_table) for seq in seqs)
         tables = np.array([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], dtype=np.int32)
         q = np.array(qlens, dtype=np.int64)
@@ -196,9 +199,10 @@ class ModelRunner:
         return ids, torch.from_numpy(positions).to(dev), meta
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, sample_rows: list[int],
-            prompt_spans: list[tuple[int, int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward pass; returns fp32 logits [len(sample_rows), vocab] for the sequences at
+    def run(self, batch: ScheduledBatch, sample_rows: list[int], prompt_spans: list[tuple[int, int, int]] = (),
+            sample_counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward pass; returns fp32 logits [sum(sample_counts), vocab] of the last
+        sample_counts[i] (default 1: speculative drafts add theirs) tokens of the sequences at
         `sample_rows` (those whose whole context is computed after this step) and, for prompt
         logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
         new tokens, count), in order (None when there are none)."""
@@ -209,8 +213,13 @@ class ModelRunner:
             hidden = self.compiled(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
-        last = meta.cu_seqlens_q[1:].long() - 1
-        rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
+        if sample_counts is None or all(c == 1 for c in sample_counts):
+            last = meta.cu_seqlens_q[1:].long() - 1
+            rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
+        else:
+            ends = np.cumsum(batch.num_new_tokens)[sample_rows]
+            rows = torch.from_numpy(np.concatenate([np.arange(e - c, e) for e, c in zip(ends, sample_counts)]))
+            rows = rows.to(self.device)
         prompt_logits = None
         if prompt_spans:
             starts = np.concatenate([[0], np.cumsum(batch.num_new_tokens)])

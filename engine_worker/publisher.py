@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class Outgoing:
     messages: list[tuple[str, bytes]] = field(default_factory=list)   # (channel, TokenBatch)
     dead_letters: list[dict] = field(default_factory=list)
-    done_entries: list[bytes] = field(default_factory=list)           # XACK + XDEL
+    done_entries: list[tuple[str, bytes]] = field(default_factory=list)   # (stream, id): XACK + XDEL
 
     def __bool__(self) -> bool:
         return bool(self.messages or self.dead_letters or self.done_entries)
@@ -71,9 +71,9 @@ class Publisher:
         """Tell the gateway to move the request elsewhere (after the tokens it was sent)."""
         self._handoffs.setdefault((reply_to, reason), []).append(request_id)
 
-    def done(self, entry_id: bytes) -> None:
+    def done(self, entry_id: bytes, stream: str = names.REQUEST_STREAM) -> None:
         """The request stream entry is finished with: acknowledge and delete it."""
-        self._held_back.done_entries.append(entry_id)
+        self._held_back.done_entries.append((stream, entry_id))
 
     def dead_letter(self, fields: dict) -> None:
         self._held_back.dead_letters.append(fields)

@@ -68,7 +68,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._num_new_tokens(seq, budget)
             if self._allocate_or_preempt(seq, n, batch):
                 batch.add(seq, n)
                 budget -= n
@@ -76,6 +76,17 @@ class Scheduler:
         if not batch.preempted:
             self._admit(batch, budget)
         return batch
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """The sequence's uncomputed tokens plus the drafts that the budget and free blocks allow
+        (drafts are trimmed to what is scheduled, and dropped rather than preempting anyone)."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = min(remaining + len(seq.spec_token_ids), budget)
+        del seq.spec_token_ids[max(0, n - remaining):]
+        if seq.spec_token_ids and not self.block_manager.allocate(seq, n):
+            seq.spec_token_ids = []
+            n = min(remaining, budget)
+        return n
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         while not self.block_manager.allocate(seq, n):
@@ -90,6 +101,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

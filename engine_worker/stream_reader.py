@@ -1,8 +1,10 @@
 """Threads that read a Redis stream into the inbox, each on its own connection with a blocking read,
 so what arrives during a step is in the inbox when the next step starts.
 
-``RequestReader``: XREADGROUP on ``kaiten:requests`` (as much as the engine has room for), creating
-the consumer group when it is missing (first start, or Redis restarted empty). ``AbortReader``:
+``RequestReader``: XREADGROUP on this engine's own stream (requests routed to it) first, then on
+the shared ``kaiten:requests`` (as much as the engine has room for; when both are empty it waits on
+both at once, one entry each, so a lone free slot may take two), creating the consumer groups when
+they are missing (first start, or Redis restarted empty). ``AbortReader``:
 XREAD of ``kaiten:aborts`` (every engine reads every abort). While Redis is unreachable both retry
 with exponential backoff."""
 from __future__ import annotations
@@ -23,27 +25,44 @@ log = logging.getLogger("kaiten.worker")
 ABORT_READ_COUNT = 1000
 
 
-def ensure_group(r: redis.Redis) -> bool:
+def ensure_group(r: redis.Redis, stream: str = names.REQUEST_STREAM) -> bool:
     """Create the engines' consumer group (and the stream); True if it was missing."""
     try:
-        r.xgroup_create(names.REQUEST_STREAM, names.ENGINE_GROUP, id="0", mkstream=True)
+        r.xgroup_create(stream, names.ENGINE_GROUP, id="0", mkstream=True)
     except redis.ResponseError as e:
         if "BUSYGROUP" not in str(e):
             raise
         return False
-    log.info("created consumer group %r on %s", names.ENGINE_GROUP, names.REQUEST_STREAM)
+    log.info("created consumer group %r on %s", names.ENGINE_GROUP, stream)
     return True
+
+
+_DELETE_IF_EMPTY = "if redis.call('XLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def delete_if_empty(r: redis.Redis, stream: str) -> bool:
+    """Delete `stream` if it has no entries, atomically (an XADD racing it is never lost)."""
+    return bool(r.eval(_DELETE_IF_EMPTY, 1, stream))
+
+
+def read_entries(r: redis.Redis, consumer: str, streams: dict[str, str], count: int, block: int | None,
+                 source: str, deliveries: int = 1) -> list[StreamEntry]:
+    """XREADGROUP as `consumer` from `streams` ({stream: id}), as StreamEntries in the given order."""
+    res = r.xreadgroup(names.ENGINE_GROUP, consumer, streams, count=count, block=block)
+    got = {to_bytes(name).decode(): rows for name, rows in res or []}
+    return [StreamEntry(to_bytes(e), f, deliveries, source, stream)
+            for stream in streams for e, f in got.get(stream, [])]
 
 
 def to_bytes(x) -> bytes:
     return x if isinstance(x, bytes) else str(x).encode()
 
 
-def delivery_counts(r: redis.Redis, consumer: str) -> dict[bytes, int]:
+def delivery_counts(r: redis.Redis, consumer: str, stream: str = names.REQUEST_STREAM) -> dict[bytes, int]:
     counts: dict[bytes, int] = {}
     start = "-"
     while True:
-        rows = r.xpending_range(names.REQUEST_STREAM, names.ENGINE_GROUP, start, "+", 1000, consumername=consumer)
+        rows = r.xpending_range(stream, names.ENGINE_GROUP, start, "+", 1000, consumername=consumer)
         for row in rows:
             counts[to_bytes(row["message_id"])] = int(row["times_delivered"])
         if len(rows) < 1000:
@@ -96,31 +115,37 @@ class RequestReader(_Reader):
     def __init__(self, client, inbox, cfg, counters):
         super().__init__(client, inbox, cfg, counters)
         self.engine_id = ""
+        self.own_stream = ""
         self.accepting = True              # False once stopping: read nothing more
 
+    @property
+    def streams(self) -> tuple[str, str]:
+        return self.own_stream, names.REQUEST_STREAM     # own first
+
     def prepare(self, engine_id: str) -> None:
-        """Create the group and hand the inbox this consumer's pending entries (then start_thread)."""
-        self.engine_id = engine_id
-        ensure_group(self.r)
-        own = self._own_pending()
+        """Create the groups and hand the inbox this consumer's pending entries (then start_thread)."""
+        self.engine_id, self.own_stream = engine_id, names.engine_stream(engine_id)
+        for stream in self.streams:
+            ensure_group(self.r, stream)
+        own = [e for stream in self.streams for e in self._own_pending(stream)]
         if own:
             log.info("re-read %d pending entries of consumer %r", len(own), engine_id)
             self.inbox.put_entries(own)
 
-    def _own_pending(self) -> list[StreamEntry]:
+    def _own_pending(self, stream: str) -> list[StreamEntry]:
         """The entries delivered to this consumer name and never acknowledged (a restart)."""
         last, entries = "0", []
         while True:
-            res = self.r.xreadgroup(names.ENGINE_GROUP, self.engine_id, {names.REQUEST_STREAM: last}, count=500)
-            batch = res[0][1] if res else []
+            batch = read_entries(self.r, self.engine_id, {stream: last}, 500, None, "pending", 0)
             if not batch:
                 break
             entries.extend(batch)
-            last = batch[-1][0]
-        if not entries:
-            return []
-        counts = delivery_counts(self.r, self.engine_id)
-        return [StreamEntry(to_bytes(e), f, counts.get(to_bytes(e), 1), "pending") for e, f in entries]
+            last = batch[-1].entry_id
+        if entries:
+            counts = delivery_counts(self.r, self.engine_id, stream)
+            for e in entries:
+                e.deliveries = counts.get(e.entry_id, 1)
+        return entries
 
     def _read_once(self) -> None:
         room = self.inbox.wait_room(0.1) if self.accepting else 0
@@ -128,16 +153,34 @@ class RequestReader(_Reader):
             if not self.accepting:
                 self._stop.wait(0.1)
             return
-        res = self.r.xreadgroup(names.ENGINE_GROUP, self.engine_id, {names.REQUEST_STREAM: ">"}, count=room,
-                                block=self.cfg.idle_block_ms)
-        if res:
-            self.inbox.put_entries([StreamEntry(to_bytes(e), f, 1, "new") for e, f in res[0][1]])
+        got: list[StreamEntry] = []
+        for stream in self.streams:
+            if room > len(got):
+                got += read_entries(self.r, self.engine_id, {stream: ">"}, room - len(got), None, "new")
+        if not got:
+            got = read_entries(self.r, self.engine_id, {s: ">" for s in self.streams}, 1, self.cfg.idle_block_ms,
+                               "new")
+        if got:
+            self.inbox.put_entries(got)
+
+    def drain_own(self) -> list[StreamEntry]:
+        """(stopping) Every entry routed to this engine and not read yet: the loop hands them back."""
+        entries: list[StreamEntry] = []
+        while batch := read_entries(self.r, self.engine_id, {self.own_stream: ">"}, 500, None, "new"):
+            entries += batch
+        return entries
+
+    def delete_own_if_empty(self) -> None:
+        """(stopped) Redis holds only unfinished work: drop this engine's own stream when empty."""
+        if self.own_stream:
+            delete_if_empty(self.r, self.own_stream)
 
     def _recover(self, e: Exception) -> bool:
         if not (isinstance(e, redis.ResponseError) and "NOGROUP" in str(e)):
             return False
         log.warning("consumer group missing (Redis restarted empty?): recreating it")
-        ensure_group(self.r)
+        for stream in self.streams:
+            ensure_group(self.r, stream)
         self.counters.add("group_recreated")
         return True
 

@@ -96,6 +96,7 @@ class EngineWorker:
         self._backoff = 0.0
         self._queued = Outgoing()               # encoded, waiting for the round in flight
         self._stop_errors: dict[str, str] = {}  # request id -> error text of a deadline abort
+        self._blocks_version, self._blocks_at = -1, 0.0   # the prefix-cache state last published
         self._stop = threading.Event()
         self.accepting = True
         self.started = threading.Event()
@@ -112,6 +113,7 @@ class EngineWorker:
         return {"model": e.model_name, "max_model_len": int(e.max_model_len),
                 "vocab_size": int(getattr(e, "vocab_size", 0)),
                 "dtype": self.engine_config.dtype, "device": self.engine_config.device,
+                "block_size": int(e.block_size),
                 "heartbeat_interval": self.cfg.heartbeat_interval}
 
     # ------------------------------------------------------------------ control
@@ -186,6 +188,7 @@ class EngineWorker:
                 self.inbox.set_capacity(engine.free_capacity() if self.accepting else 0)
                 stats = self._live_stats()
                 self.heartbeat.update(stats)
+                self._publish_blocks()
                 self.metrics.update(stats)
                 self._flush()
                 if not engine.has_unfinished():
@@ -196,6 +199,15 @@ class EngineWorker:
         finally:
             self._shutdown()
         return 0
+
+    def _publish_blocks(self) -> None:
+        """Hand the heartbeat the prefix cache's block hashes when they changed, at most once per
+        heartbeat interval (gateways route by them)."""
+        version = self.engine.prefix_cache_version()
+        now = time.monotonic()
+        if version != self._blocks_version and now - self._blocks_at >= self.cfg.heartbeat_interval:
+            self._blocks_version, self._blocks_at = version, now
+            self.heartbeat.set_blocks(self.engine.cached_block_hashes())
 
     def _live_stats(self) -> dict:
         st = dataclasses.asdict(self.engine.stats())
@@ -220,7 +232,7 @@ class EngineWorker:
         """Take one stream entry: into the engine, or answered/dead-lettered and deleted. Never raises."""
         pub = self.publisher
         if entry.fields is None:           # deleted while pending
-            pub.done(entry.entry_id)
+            pub.done(entry.entry_id, entry.stream)
             return
         try:
             msg = decode_entry(entry, self.cfg.max_deliveries)
@@ -232,24 +244,24 @@ class EngineWorker:
                 return
             if not self.accepting or entry.taken_over:
                 reason = HANDOFF_REASON.get(entry.source, "engine_lost") if self.accepting else "shutdown"
-                self._hand_back(entry.entry_id, msg.reply_to, rid, reason)
+                self._hand_back(entry.entry_id, entry.stream, msg.reply_to, rid, reason)
                 return
             if rid in self.recent_aborts:
-                pub.done(entry.entry_id)
+                pub.done(entry.entry_id, entry.stream)
                 pub.terminal(msg.reply_to, rid, "abort")
                 return
             if msg.deadline is not None and time.time() > msg.deadline:
-                pub.done(entry.entry_id)
+                pub.done(entry.entry_id, entry.stream)
                 pub.terminal(msg.reply_to, rid, "error", "the request's deadline passed before an engine started it")
                 return
             try:
                 self.engine.add_request(rid, msg.prompt_token_ids, SamplingParams.from_dict(msg.params),
                                         num_generated=msg.num_generated)
             except (ValueError, TypeError) as e:
-                pub.done(entry.entry_id)
+                pub.done(entry.entry_id, entry.stream)
                 pub.terminal(msg.reply_to, rid, "error", str(e))
                 return
-            self.held.add(HeldRequest(rid, entry.entry_id, msg.reply_to, msg.deadline))
+            self.held.add(HeldRequest(rid, entry.entry_id, msg.reply_to, msg.deadline, entry.stream))
             pub.admitted(msg.reply_to, rid, msg.first_seq)
             self.counters.add("requests")
             if msg.num_generated:
@@ -263,10 +275,10 @@ class EngineWorker:
                 rid = reply_to = None        # already held: leave that request alone
             self._reject(entry, RejectedEntry(f"could not be handled: {type(e).__name__}: {e}", rid, reply_to))
 
-    def _hand_back(self, entry_id: bytes, reply_to: str, rid: str, reason: str) -> None:
+    def _hand_back(self, entry_id: bytes, stream: str, reply_to: str, rid: str, reason: str) -> None:
         """Not ours to run: delete the entry and tell the gateway to move the request, unless it
         was aborted (the client left, or the gateway moved it already and aborted this id)."""
-        self.publisher.done(entry_id)
+        self.publisher.done(entry_id, stream)
         if rid not in self.recent_aborts:
             self.publisher.handoff(reply_to, rid, reason)
         self.counters.add("handed_back")
@@ -274,7 +286,7 @@ class EngineWorker:
     def _reject(self, entry: StreamEntry, e: RejectedEntry) -> None:
         log.warning("dead-lettering entry %s: %s", entry.entry_id.decode(errors="replace"), e.reason)
         self.publisher.dead_letter(dead_letter_fields(entry, e.reason, self.engine_id, e.request_id))
-        self.publisher.done(entry.entry_id)
+        self.publisher.done(entry.entry_id, entry.stream)
         self.counters.add("dead_lettered")
         if e.request_id and e.reply_to:
             self.publisher.terminal(e.reply_to, e.request_id, "error", e.reason)
@@ -295,7 +307,7 @@ class EngineWorker:
                 if o.request_id in self._stop_errors:
                     o.finish_reason, o.error = "error", self._stop_errors.pop(o.request_id)
                 self.held.pop(o.request_id)
-                self.publisher.done(h.entry_id)
+                self.publisher.done(h.entry_id, h.stream)
             self.publisher.add(h.reply_to, o)
 
     def _flush(self, wait: float | None = 0.0) -> None:
@@ -346,14 +358,18 @@ class EngineWorker:
         for h in self.held.all():
             self.engine.abort_request(h.request_id)
             self.held.pop(h.request_id)
-            self._hand_back(h.entry_id, h.reply_to, h.request_id, "shutdown")
-        for entry in self.inbox.take().entries:
+            self._hand_back(h.entry_id, h.stream, h.reply_to, h.request_id, "shutdown")
+        for entry in self.inbox.take().entries + self._drain_own():
             self._admit(entry)
         for _ in range(4):
             self._flush(wait=2.0)
             if not self._has_outgoing():
                 break
             time.sleep(0.05)
+        try:
+            self.requests.delete_own_if_empty()
+        except Exception as e:      # Redis down: another engine's janitor deletes it
+            log.debug("could not delete the own stream: %s", e)
         for job in (self.aborts, self.janitor, self.orphans):
             job.stop()
         self.heartbeat.stop(delete=self.started.is_set())
@@ -361,6 +377,14 @@ class EngineWorker:
         self.metrics.close()
         log.info("engine %r stopped; %s", self.engine_id, self.overhead_report())
         self.exited.set()
+
+    def _drain_own(self) -> list[StreamEntry]:
+        """Entries routed to this engine and never read: handed back like the rest."""
+        try:
+            return self.requests.drain_own()
+        except Exception as e:      # Redis down: another engine's janitor hands them back
+            log.warning("could not drain the own stream: %s: %s", type(e).__name__, e)
+            return []
 
     def overhead_report(self) -> str:
         return f"redis round trip {self.round_stats}; engine.step {self.step_stats}"
@@ -424,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     from shared.model_source import ModelNotFoundError
     try:
         ecfg, wcfg = configs_from_args(args)
-    except ModelNotFoundError as e:
+        ecfg.speculative()                 # a bad --speculative-config fails here, saying why
+    except (ModelNotFoundError, ValueError) as e:
         print(f"kaiten engine: {e}", file=sys.stderr)
         return 2
     worker = EngineWorker(ecfg, wcfg)

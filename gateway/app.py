@@ -6,7 +6,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not)
 (and /v1/models/{id}), POST /tokenize and /detokenize (vLLM's shapes; gateway/tokenize_api.py),
 WebSocket /v1/chat/ws (see .helpers/WS_PROTOCOL.md), GET /v1/status, GET /health and GET|POST
 /ping (liveness), GET /version, GET /ready (Redis reachable and an engine alive), GET /metrics
-(Prometheus), and the chat page at / (gateway/static/index.html) with its files under /static.
+(Prometheus), GET /openapi.json and /docs (gateway/openapi.py), and the chat page at / (gateway/static/index.html) with its files under /static.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from shared.config import GatewayConfig
 from shared.log_format import add_log_flags, setup_logging, uvicorn_log_config
 from shared.model_source import ModelNotFoundError
 
-from . import server_logs
+from . import openapi, server_logs
 from .core import Gateway, resolve_model_dir
 from .errors import APIError, bad_request
 from .http_common import authorized, check_auth, gateway_of, read_json, token_from, ws_subprotocol
@@ -212,6 +212,10 @@ async def metrics(request: Request) -> Response:
     gw = gateway_of(request)
     gw.metrics.update_load(gw.monitor.load())
     return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(openapi.spec(kaiten_version()))
 
 
 async def index(request: Request) -> Response:
@@ -398,6 +402,8 @@ def create_app(config: GatewayConfig | None = None, *, gateway_id: str | None = 
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         WebSocketRoute("/v1/chat/ws", chat_ws),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/docs", openapi.docs, methods=["GET"]),
         Route("/", index, methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC_DIR, check_dir=False), name="static"),
     ]
@@ -446,8 +452,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without an API key, web pages of these origins may use the WebSocket besides the "
                         "gateway's own page; comma-separated, * for any (env KAITEN_ALLOWED_ORIGINS)")
     p.add_argument("--sse-keepalive", dest="sse_keepalive", type=float, default=None,
-                   help="seconds without a token before an SSE ': keep-alive' comment; 0: never "
-                        "(env KAITEN_SSE_KEEPALIVE, default 15)")
+                   help="seconds without a token before an SSE ': keep-alive' comment; 0: never, as vLLM "
+                        "(env KAITEN_SSE_KEEPALIVE, default 0: clients that strip each read, such as vllm bench "
+                        "serve, lose every event after a comment that arrives alone)")
+    r = p.add_argument_group("routing (gateway/placement.py)")
+    r.add_argument("--routing", choices=("prefix", "queue"), default=None,
+                   help="prefix: send each request to the engine holding most of its prompt's KV blocks, "
+                        "load permitting; queue: the shared stream, any engine (env KAITEN_ROUTING, default prefix)")
+    r.add_argument("--routing-cache-threshold", dest="routing_cache_threshold", type=float, default=None,
+                   help="least share of the prompt an engine must hold to be chosen for it (default 0.5)")
+    r.add_argument("--routing-balance-abs-threshold", dest="routing_balance_abs_threshold", type=int, default=None,
+                   help="spill to the least loaded engine when the best is busier by more requests than this "
+                        "(default 8) ...")
+    r.add_argument("--routing-balance-rel-threshold", dest="routing_balance_rel_threshold", type=float, default=None,
+                   help="... and by more than this factor (default 1.5)")
+    r.add_argument("--routing-spill-timeout", dest="routing_spill_timeout", type=float, default=None,
+                   help="seconds a routed request may wait for its engine before it moves to the shared "
+                        "stream (default 5)")
     add_log_flags(p)
     return p
 
@@ -458,7 +479,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                          "chat_template",
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
                                          "engine_timeout", "failover_timeout", "max_failovers", "redis_grace",
-                                         "redis_max_connections", "generation_config")}
+                                         "redis_max_connections", "generation_config", "routing",
+                                         "routing_cache_threshold", "routing_balance_abs_threshold",
+                                         "routing_balance_rel_threshold", "routing_spill_timeout")}
     kw["api_keys"] = tuple(args.api_keys) if args.api_keys else None
     kw["sse_keepalive"] = args.sse_keepalive
     kw["allowed_origins"] = tuple(o for o in args.allowed_origins.split(",") if o) if args.allowed_origins else None

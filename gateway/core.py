@@ -28,6 +28,7 @@ from .generation import SubGeneration, SubRequest
 from .metrics import GatewayMetrics
 from .openai_api import ModelContext, ParsedRequest
 from .output import OutputProcessor, RequestState, StopChecker
+from .placement import Placer
 from .router import ReplyRouter
 
 log = logging.getLogger("kaiten.gateway")
@@ -64,13 +65,8 @@ def _model_config(model_dir: str) -> dict[str, Any]:
 def bounded_redis(url: str, max_connections: int, client_name: str, wait_s: float = 10.0):
     """An asyncio Redis client on a BlockingConnectionPool: at most `max_connections` connections;
     a command that finds them all busy waits (up to `wait_s`) for one to be released."""
-    import redis.asyncio
     from shared.redis_conn import async_redis_client
-    proto = async_redis_client(url, client_name=client_name).connection_pool   # Kaiten's settings
-    pool = redis.asyncio.BlockingConnectionPool(max_connections=max_connections, timeout=wait_s,
-                                                connection_class=proto.connection_class,
-                                                **proto.connection_kwargs)
-    return redis.asyncio.Redis(connection_pool=pool)
+    return async_redis_client(url, client_name=client_name, max_connections=max_connections, pool_wait_s=wait_s)
 
 
 class Gateway:
@@ -102,6 +98,7 @@ class Gateway:
         self._own_redis = redis_client is None
         self.sub_redis = None
         self.monitor: EngineMonitor | None = None
+        self.placer: Placer | None = None
         self.router: ReplyRouter | None = None
         self.failover: Failover | None = None
         self._tasks: list[asyncio.Task] = []
@@ -118,14 +115,21 @@ class Gateway:
         if self.redis is None:
             self.redis = bounded_redis(self.config.redis_url, self.config.redis_max_connections,
                                        f"kaiten-gateway-{self.gateway_id}")
-        # A dedicated client for the one pub/sub connection: its reads wait with their own timeout.
-        self.sub_redis = async_redis_client(self.config.redis_url, socket_timeout=None,
+        # A dedicated client for the one pub/sub connection: its reads wait with their own timeout
+        # (1 s, below socket_timeout); the router PINGs a quiet channel (router.py: a partition that
+        # drops packets is noticed within about 7 s, like a reset connection).
+        self.sub_redis = async_redis_client(self.config.redis_url, socket_timeout=5.0,
                                             health_check_interval=5, retries=1,
                                             client_name=f"kaiten-gateway-sub-{self.gateway_id}")
         self.monitor = EngineMonitor(self.redis, self.config.engine_timeout)
         self.monitor.on_poll.append(lambda m: self.metrics.update_load(m.load()))
+        c = self.config
+        self.placer = Placer(self.monitor, c.routing, c.routing_cache_threshold, c.routing_balance_abs_threshold,
+                             c.routing_balance_rel_threshold, c.failover_timeout)
+        self.monitor.on_poll.append(lambda m: self.placer.forget(set(m.engines)))
         self.router = ReplyRouter(self.sub_redis, self.gateway_id, self.monitor, self.config.engine_timeout,
-                                  failover_timeout=self.config.failover_timeout)
+                                  failover_timeout=self.config.failover_timeout,
+                                  spill_timeout=self.config.routing_spill_timeout)
         self.router.on_abort_needed = self.abort_soon
         self.failover = Failover(self.redis, self.gateway_id, self.router, self.config.max_failovers, self.metrics,
                                  self.config.redis_grace)
@@ -133,7 +137,7 @@ class Gateway:
         if self.config.redis_grace > 0:          # else a lost reply channel fails what is in flight
             self.router.on_suspend = self.failover.suspend
         self.router.processor = OutputProcessor(self.text_tokenizer, self.metrics, self.router.counters,
-                                                finish=lambda s: self.router.unregister(s.request_id),
+                                                finish=self._finished,
                                                 fail=self.router.fail, abort=self.abort_soon)
         await self._set_alive()
         self._tasks = [asyncio.create_task(self._keep_alive(), name="kaiten-gateway-alive"),
@@ -149,6 +153,10 @@ class Gateway:
         log.info("gateway %s serving %s (reply channel %s)", self.gateway_id, self.served_model_name,
                  self.router.channel)
         log.info("default sampling for unset request fields: %s", self.generation_defaults.describe())
+
+    def _finished(self, s: RequestState) -> None:
+        self.router.unregister(s.request_id)
+        self.placer.learned(s.engine_id, s.prompt_ids + s.token_ids)
 
     async def stop(self) -> None:
         if self.router is not None:
@@ -273,6 +281,8 @@ class Gateway:
         payloads = []
         single = parsed.num_choices == 1
         for pi, ids in enumerate(parsed.prompts):
+            place = self.placer.place(ids, now_m)          # the n choices of a prompt share its blocks
+            self.metrics.routed(place.reason, parsed.n)
             for j in range(parsed.n):
                 index = pi * parsed.n + j
                 rid = request_id if single else f"{request_id}-{index}"
@@ -283,10 +293,10 @@ class Gateway:
                                      StopChecker(parsed.stop, opts.include_stop_str_in_output,
                                                  parsed.params.get("min_tokens", 0)),
                                      want_logprobs=parsed.logprobs is not None, options=opts, submitted=now_m,
-                                     params=sub.params, wall_deadline=now + timeout)
+                                     params=sub.params, wall_deadline=now + timeout, routed_to=place.engine_id)
                 gens.append(SubGeneration(sub, state))
-                payloads.append(encode(GenerateRequest(rid, self.gateway_id, ids, sub.params, arrival_time=now,
-                                                       deadline=now + timeout)))
+                payloads.append((place.stream, encode(GenerateRequest(rid, self.gateway_id, ids, sub.params,
+                                                                      arrival_time=now, deadline=now + timeout))))
         for g in gens:
             self.router.register(g.state)
         try:
@@ -294,8 +304,8 @@ class Gateway:
             # cannot find. No MAXLEN: a trim could drop entries not served yet; engines XDEL.
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(self.alive_key, self.gateway_id, px=int(names.GATEWAY_ALIVE_TTL_S * 1000))
-            for data in payloads:
-                pipe.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: data})
+            for stream, data in payloads:
+                pipe.xadd(stream, {names.PAYLOAD_FIELD: data})
             await pipe.execute()
         except BaseException as e:      # Redis errors, or the caller cancelled (client gone)
             for g in gens:

@@ -1,7 +1,8 @@
 """Engine liveness and load, from the engines' heartbeat keys and the request stream's backlog.
 
 One poll task per gateway (``EngineMonitor.run``) reads every ``kaiten:engine:*`` key and the
-consumer group's lag. An engine is alive while its heartbeat keeps changing: ``last_alive`` is the
+consumer group's lag, and each engine's prefix-cache block list (``names.blocks_key``) when the
+heartbeat's ``blocks_version`` moved (a restarted engine, a new ``instance``, starts empty). An engine is alive while its heartbeat keeps changing: ``last_alive`` is the
 gateway's clock when a new heartbeat (or a token delta from that engine) was last seen, so clock
 skew between hosts does not matter.
 """
@@ -17,6 +18,7 @@ import msgpack
 import redis
 
 from shared import names
+from shared.block_index import unpack_blocks
 
 log = logging.getLogger("kaiten.gateway")
 
@@ -27,6 +29,9 @@ class EngineInfo:
     heartbeat: dict[str, Any] = field(default_factory=dict)
     last_alive: float = 0.0          # time.monotonic() of the latest sign of life
     hb_time: Any = None              # the heartbeat's own "time" field, to see it change
+    blocks: frozenset[int] = frozenset()   # prefix-cache block hashes it held at blocks_version
+    blocks_version: Any = None       # (instance, version) of `blocks`
+    blocks_seen: float = 0.0         # time.monotonic() when `blocks` was read
 
     def get(self, key: str, default: Any = 0) -> Any:
         v = self.heartbeat.get(key, default)
@@ -134,16 +139,34 @@ class EngineMonitor:
             if hb_time is None or hb_time != info.hb_time or not info.heartbeat:
                 info.last_alive = now
             info.hb_time = hb_time
+            if hb.get("instance") != info.heartbeat.get("instance"):
+                info.blocks, info.blocks_version = frozenset(), None     # restarted: holds nothing
             info.heartbeat = hb
         # Forget engines silent for a long time.
         for eid in [eid for eid, e in self.engines.items() if now - e.last_alive > max(60.0, 6 * self.engine_timeout)]:
             del self.engines[eid]
+        await self._poll_blocks(now)
         await self._poll_backlog(now)
         self.last_poll_ok = now
         self.redis_ok = True
         self.polled.set()
         for cb in self.on_poll:
             cb(self)
+
+    async def _poll_blocks(self, now: float) -> None:
+        """Read the block lists whose version the heartbeats say moved."""
+        stale = [e for e in self.engines.values() if e.heartbeat.get("blocks_version")
+                 and e.blocks_version != (e.heartbeat.get("instance"), e.heartbeat.get("blocks_version"))]
+        if not stale:
+            return
+        values = await self.r.mget([names.blocks_key(e.engine_id) for e in stale])
+        for info, raw in zip(stale, values):
+            try:
+                version, hashes = unpack_blocks(raw)
+            except (ValueError, TypeError):       # expired, or not (yet) written
+                continue
+            info.blocks, info.blocks_seen = hashes, now
+            info.blocks_version = (info.heartbeat.get("instance"), version)
 
     async def _poll_backlog(self, now: float) -> None:
         lag, exists = 0, False

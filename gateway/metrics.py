@@ -14,6 +14,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
+from .placement import REASONS as ROUTING_REASONS
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -57,12 +59,19 @@ class GatewayMetrics:
         self.generation_tokens = own(Counter, "kaiten:generation_tokens", "Generated tokens delivered.")
         self.failovers = own(Counter, "kaiten:request_failovers",
                              "Requests moved to another engine because theirs was lost or shut down.")
+        self._routed = Counter("kaiten:routing_decisions", "Requests routed, by reason (gateway/placement.py).",
+                               lbl + ["reason"], registry=r)
+        for reason in ROUTING_REASONS:
+            self._routed.labels(model_name, reason)
         self._success = Counter("kaiten:request_success", "Finished requests by finish reason.",
                                 lbl + ["finished_reason"], registry=r)
         self._errors = Counter("kaiten:request_errors", "Requests that ended with an error, by code.",
                                lbl + ["code"], registry=r)
         self._rejected = Counter("kaiten:requests_rejected", "Requests refused before submission, by status.",
                                  lbl + ["status"], registry=r)
+
+    def routed(self, reason: str, n: int = 1) -> None:
+        self._routed.labels(self.model_name, reason).inc(n)
 
     def success(self, finish_reason: str) -> None:
         self._success.labels(self.model_name, finish_reason).inc()

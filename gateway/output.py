@@ -160,6 +160,7 @@ class RequestState:
     wall_deadline: float | None = None    # unix seconds, as sent to the engines
     origin_id: str = ""
     failovers: int = 0
+    routed_to: str | None = None          # the engine whose own stream got it (not admitted yet)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -344,8 +344,10 @@ class SSEResponse:
     """Streams an async iterator of SSE frames; a client disconnect cancels it at once.
 
     ``on_close`` always runs at the end (normal end, error or disconnect): the gateway aborts the
-    engine requests that may still run. While no frame comes for ``keepalive`` seconds (a long
-    prefill, a queue), a ``: keep-alive`` comment keeps proxies from closing the idle connection.
+    engine requests that may still run. With ``keepalive`` > 0 (off by default, as in vLLM), while no
+    frame comes for that long a ``: keep-alive`` comment keeps proxies from closing the idle
+    connection; clients that strip each network read before splitting events (vllm bench serve)
+    glue a comment that arrives alone to every event after it.
     """
 
     def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None] | None],

@@ -21,6 +21,8 @@ import logging
 import time
 from typing import Any, Callable
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 from shared import names
 from shared.protocol import Handoff, ProtocolError, TokenBatch, decode
 
@@ -30,23 +32,28 @@ from .output import OutputProcessor, RequestState
 
 log = logging.getLogger("kaiten.gateway")
 
+PING_AFTER_S = 2.0       # a reply channel silent this long is PINGed
+PONG_TIMEOUT_S = 5.0     # ... and lost when nothing comes back this long after
+
 
 class ReplyRouter:
     def __init__(self, client, gateway_id: str, monitor: EngineMonitor, engine_timeout: float,
-                 subscribe_timeout: float = 5.0, failover_timeout: float = 2.0):
+                 subscribe_timeout: float = 5.0, failover_timeout: float = 2.0, spill_timeout: float = 5.0):
         self.r = client
         self.gateway_id = gateway_id
         self.channel = names.reply_channel(gateway_id)
         self.monitor = monitor
         self.engine_timeout = engine_timeout
         self.failover_timeout = failover_timeout
+        self.spill_timeout = spill_timeout
         self.subscribe_timeout = subscribe_timeout
         self.streams: dict[str, RequestState] = {}
         self.subscribed = asyncio.Event()
         self.pubsub = None
         self.counters = {"messages": 0, "deltas": 0, "bad_messages": 0, "unknown_request": 0, "duplicates": 0,
                          "gaps": 0, "resubscribed": 0, "connection_errors": 0, "engine_lost": 0, "timeouts": 0,
-                         "foreign_engine": 0, "failovers": 0, "handoffs": 0, "stale_handoffs": 0}
+                         "foreign_engine": 0, "failovers": 0, "handoffs": 0, "stale_handoffs": 0,
+                         "routed_respilled": 0}
         self._confirmations = 0
         self.on_abort_needed: Callable[[list[str]], None] | None = None   # set by the gateway
         self.processor: OutputProcessor | None = None                     # set by the gateway
@@ -68,7 +75,7 @@ class ReplyRouter:
         """The request continues under a new engine-side id (failover): expect it from any engine."""
         self.streams.pop(stream.request_id, None)
         stream.origin_id = stream.origin_id or stream.request_id
-        stream.request_id, stream.engine_id = request_id, None
+        stream.request_id, stream.engine_id, stream.routed_to = request_id, None, None
         stream.engine_finished = stream.abort_sent = False
         self.streams[request_id] = stream
 
@@ -129,11 +136,14 @@ class ReplyRouter:
             try:
                 if self.pubsub is None:
                     await self._open()
+                heard, pinged = time.monotonic(), False
                 while True:
                     msg = await self.pubsub.get_message(timeout=1.0)
+                    now = time.monotonic()
                     if msg is None:
+                        heard, pinged = await self._check_silence(now, heard, pinged)
                         continue
-                    backoff = 0.05
+                    heard, pinged, backoff = now, False, 0.05
                     kind = msg.get("type")
                     if kind == "message":
                         self._on_message(msg.get("data"))
@@ -155,6 +165,16 @@ class ReplyRouter:
                 await self.close()
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
+
+    async def _check_silence(self, now: float, heard: float, pinged: bool) -> tuple[float, bool]:
+        """A quiet channel is PINGed (its pong is a message too); one that stays silent past
+        PONG_TIMEOUT_S is lost: a partition that drops packets breaks no connection."""
+        if now - heard > PING_AFTER_S + PONG_TIMEOUT_S:
+            raise RedisConnectionError(f"no answer on the reply channel for {now - heard:.0f} s")
+        if now - heard > PING_AFTER_S and not pinged:
+            await self.pubsub.ping()
+            pinged = True
+        return heard, pinged
 
     async def close(self) -> None:
         """Close the pub/sub connection, if any; errors on the way out are ignored."""
@@ -185,7 +205,12 @@ class ReplyRouter:
         self.processor.process(engine_id, msg.deltas, self.streams, msg.admitted)
 
     def _on_handoff(self, msg: Handoff) -> None:
-        states = [s for rid in msg.request_ids if (s := self.streams.get(rid)) is not None and not s.done]
+        """Move the requests an engine gives back. Fenced: an id moved meanwhile (a late handoff
+        of an old id) is stale, and so is an engine's shutdown or restart that names a request
+        another engine holds now (a handoff delayed across a partition)."""
+        own_only = msg.reason in ("shutdown", "restarted")
+        states = [s for rid in msg.request_ids if (s := self.streams.get(rid)) is not None and not s.done
+                  and not (own_only and s.engine_id is not None and s.engine_id != msg.engine_id)]
         self.counters["handoffs"] += len(states)
         self.counters["stale_handoffs"] += len(msg.request_ids) - len(states)   # moved already
         why = {"shutdown": f"engine {msg.engine_id} is shutting down",
@@ -200,9 +225,12 @@ class ReplyRouter:
         of an engine that stopped heartbeating. Called periodically."""
         now = time.monotonic() if now is None else now
         no_engine_since = None
-        if not self.monitor.live_engines(now):
+        # Cut off from Redis, the gateway cannot tell whether engines live: its requests wait for
+        # the reply channel (failover.py: redis_grace), not for an engine.
+        if self._reads_redis(now) and not self.monitor.live_engines(now):
             no_engine_since = max(self.monitor.last_any_alive(), self.monitor.started)
         lost: dict[str, list[RequestState]] = {}
+        unserved: list[RequestState] = []
         for s in list(self.streams.values()):
             if now > s.deadline:
                 self.counters["timeouts"] += 1
@@ -211,6 +239,13 @@ class ReplyRouter:
             elif s.engine_id is not None:
                 if self._engine_lost(s.engine_id, now):
                     lost.setdefault(s.engine_id, []).append(s)
+            elif s.routed_to is not None and s.first_delta is None:
+                # Routed to an engine's own stream and not admitted: that engine died, drains or is
+                # too busy; another engine gets it from the shared stream (judged only while the
+                # gateway reads Redis: cut off, it could not move it anyway).
+                if self._reads_redis(now) and (self._engine_lost(s.routed_to, now) or not self._accepting(s.routed_to)
+                                               or now - s.submitted > self.spill_timeout):
+                    unserved.append(s)
             elif no_engine_since is not None and now - max(no_engine_since, s.submitted) > self.engine_timeout:
                 self.counters["engine_lost"] += 1
                 self.fail(s, GenerationError(503, "no engine is alive to serve this request",
@@ -218,15 +253,28 @@ class ReplyRouter:
         for engine_id, states in lost.items():
             self.counters["engine_lost"] += len(states)
             self.on_move(states, f"engine {engine_id} stopped responding while serving this request", True)
+        if unserved:
+            self.counters["routed_respilled"] += len(unserved)
+            self.on_move(unserved, "the engine it was routed to did not take it in time", True)
+
+    def _reads_redis(self, now: float) -> bool:
+        """The monitor read the heartbeats lately: a poll that hangs (a partition that drops
+        packets) is no verdict on the engines, no more than one that fails."""
+        m = self.monitor
+        return m.redis_ok and now - m.last_poll_ok <= max(1.0, 4 * m.poll_interval)
 
     def _engine_lost(self, engine_id: str, now: float) -> bool:
         """Silent for failover_timeout (or 2.5 of its heartbeat intervals, if longer), judged only
-        while the monitor reads Redis (an outage is not the engines' death)."""
-        if not self.monitor.redis_ok:
+        while the monitor reads Redis (an outage or a partition is not the engines' death)."""
+        if not self._reads_redis(now):
             return False
         info = self.monitor.engines.get(engine_id)
         interval = float(info.get("heartbeat_interval", 0.0)) if info is not None else 0.0
         return not self.monitor.is_alive(engine_id, now, max(self.failover_timeout, 2.5 * interval))
+
+    def _accepting(self, engine_id: str) -> bool:
+        info = self.monitor.engines.get(engine_id)
+        return info is None or bool(info.get("accepting", True))
 
     async def watchdog(self, interval: float = 0.2) -> None:
         while True:

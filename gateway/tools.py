@@ -22,10 +22,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from .api_models import NamedToolChoice, ToolFields, validate
 from .errors import bad_request
 from .structured import schema_spec
 
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -58,58 +58,29 @@ class ToolCalling:
         return schema_spec(schema, "tools")
 
 
-def parse_tools(body: dict) -> ToolCalling | None:
-    """Check ``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when there are no tools."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
-    if tools is None or tools == []:
+def parse_tools(fields: ToolFields | dict) -> ToolCalling | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` (validated, or a dict of them) as a
+    ToolCalling; None when there are no tools."""
+    if isinstance(fields, dict):
+        fields = validate(ToolFields, fields)
+    tools, choice = fields.tools, fields.tool_choice
+    if not tools:
         if choice not in (None, "none"):
             raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
         return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list of tool objects", "tools", "invalid_type")
-    names = [_check_tool(t, i) for i, t in enumerate(tools)]
+    names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tool function names must be unique", "tools")
-    calling = ToolCalling(tools, "auto", parallel=parallel is not False)
-    if choice in (None, "auto", "none", "required"):
-        calling.choice = choice or "auto"
-    elif isinstance(choice, dict):
-        fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
-                              "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-        if name not in names:
-            raise bad_request(f"tool_choice names the function {name!r}, which is not in 'tools'", "tool_choice")
-        calling.choice, calling.named = "named", name
+    calling = ToolCalling([t.model_dump(exclude_none=True) for t in tools], "auto",
+                          parallel=fields.parallel_tool_calls is not False)
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in 'tools'",
+                              "tool_choice")
+        calling.choice, calling.named = "named", choice.function.name
     else:
-        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
-                          "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        calling.choice = choice or "auto"
     return calling
-
-
-def _check_tool(tool: Any, i: int) -> str:
-    where = f"tools[{i}]"
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise bad_request(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where, "invalid_type")
-    fn = tool["function"]
-    unknown = sorted(set(fn) - {"name", "description", "parameters", "strict"})
-    if unknown:
-        raise bad_request(f"{where}.function: unknown fields {unknown}", f"{where}.function", "unknown_parameter")
-    name = fn.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise bad_request(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-'",
-                          f"{where}.function.name")
-    if fn.get("description") is not None and not isinstance(fn["description"], str):
-        raise bad_request(f"{where}.function.description must be a string", f"{where}.function.description",
-                          "invalid_type")
-    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-        raise bad_request(f"{where}.function.parameters must be a JSON schema object",
-                          f"{where}.function.parameters", "invalid_schema")
-    return name
 
 
 # ---------------------------------------------------------------------- output

@@ -64,6 +64,56 @@ class _EnvConfig:
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": 5,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 1}."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def parse(cls, text: str | dict) -> SpeculativeConfig | None:
+        """The config from its JSON text (or map); None for "" or null. ValueError says what is wrong."""
+        import json
+        if isinstance(text, str):
+            if not text.strip():
+                return None
+            try:
+                text = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if text is None:
+            return None
+        if not isinstance(text, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {text!r:.100}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(text) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        if "method" not in text:
+            raise ValueError(f"speculative_config needs a 'method' (one of {', '.join(SPECULATIVE_METHODS)})")
+        config = cls(**text)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method {self.method!r} is not supported; "
+                             f"choose one of {', '.join(SPECULATIVE_METHODS)}")
+        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"speculative_config {name} must be an integer >= {low}, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+
 @dataclass(slots=True)
 class EngineConfig(_EnvConfig):
     model: str = ""                      # model directory; "" means the default SmolLM2
@@ -88,7 +138,11 @@ class EngineConfig(_EnvConfig):
     pack_cpu_weights: bool = True        # CPU fp32: projections on oneDNN-packed weights (faster decode)
     attention_backend: str = "auto"      # auto | cpu (C++) | torch | triton | flash_attn
     offline: bool = False                # the offline LLM (throughput) rather than a server (latency)
+    speculative_config: str = ""         # JSON, as vLLM's --speculative-config; "": no speculation
     ENV_NAMES = {"model": "KAITEN_MODEL"}
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def token_budget(self) -> int:
         """max_num_batched_tokens, or its default. The offline LLM has nobody waiting on a token:
@@ -152,9 +206,14 @@ class GatewayConfig(_EnvConfig):
                                          # pool makes commands wait for a connection, not open more
     generation_config: str = "auto"      # default sampling: auto (the model's generation_config.json)
                                          # | vllm (OpenAI defaults) | a directory holding one
-    sse_keepalive: float = 15.0          # seconds without a frame before a ": keep-alive" SSE comment; 0: off
+    sse_keepalive: float = 0.0           # seconds without a frame before a ": keep-alive" SSE comment; 0: off
     allowed_origins: tuple[str, ...] = ()  # key-less WebSocket: Origins besides the page's own ("*": any)
     max_json_depth: int = 64             # deeper request JSON is refused (400)
+    routing: str = "prefix"              # prefix: cache-aware (gateway/placement.py) | queue: the shared stream
+    routing_cache_threshold: float = 0.5  # route by prefix when an engine holds this share of the prompt
+    routing_balance_abs_threshold: int = 8      # ... unless it is busier than the least loaded engine
+    routing_balance_rel_threshold: float = 1.5  # by more than this many requests and this many times
+    routing_spill_timeout: float = 5.0   # routed but not admitted this long: moved to the shared stream
     ENV_NAMES = {"redis_url": "REDIS_URL", "tokenizer_url": "TOKENIZER_URL", "api_keys": "KAITEN_API_KEYS"}
 
 

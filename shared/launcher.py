@@ -38,6 +38,7 @@ from pathlib import Path
 from shared.generation_defaults import GenerationDefaults, load_generation_defaults
 from shared.log_format import setup_logging
 from shared.model_source import ModelNotFoundError, resolve_model
+from shared.redis_conn import redact_url
 from shared.up_flags import EPILOG, add_child_flags, child_args, child_env
 from shared.version import kaiten_version
 
@@ -175,7 +176,7 @@ def wait_redis(url: str, child: Child | None = None, timeout: float = 20.0) -> N
             if child is not None and not child.alive():
                 raise RuntimeError(f"redis-server exited with code {child.poll()}") from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Redis at {url} does not answer: {e}") from None
+                raise RuntimeError(f"Redis at {redact_url(url)} does not answer: {e}") from None
         time.sleep(0.05)
 
 
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
         else:
             redis_child, redis_url = start_local_redis()
             sup.children.append(redis_child)
-        log.info("redis at %s", redis_url)
+        log.info("redis at %s", redact_url(redis_url))
         engine_env = _child_env(KAITEN_MODEL=model, REDIS_URL=redis_url)
         # The gateway stops first, so there is nobody left to drain in-flight requests for.
         engine_env.setdefault("KAITEN_DRAIN_TIMEOUT", "1")

@@ -9,6 +9,23 @@ ABORT_STREAM = f"{PREFIX}:aborts"               # every engine XREADs all aborts
 ABORT_STREAM_MAXLEN = 10_000
 DEAD_LETTER_MAXLEN = 10_000
 
+
+
+def engine_stream(engine_id: str) -> str:
+    """One engine's own request stream (cache-aware routing). Read by that engine first, in the
+    consumer group ENGINE_GROUP; a dead engine's is emptied by the others' janitors and deleted."""
+    return f"{PREFIX}:engine-requests:{engine_id}"
+
+
+ENGINE_STREAM_PATTERN = f"{PREFIX}:engine-requests:*"
+
+
+def blocks_key(engine_id: str) -> str:
+    """Key (same TTL as the heartbeat) holding the prefix-cache block hashes one engine holds:
+    packed little-endian uint64s (``shared.block_hash``), rewritten when they change."""
+    return f"{PREFIX}:engine-blocks:{engine_id}"
+
+
 # Field name of the msgpack payload inside a stream entry.
 PAYLOAD_FIELD = b"m"
 

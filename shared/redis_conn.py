@@ -20,11 +20,22 @@ Settings:
   reaches the caller. Callers that must never stall long (the engine loop) pass ``retries=0`` or 1
   and handle the outage themselves.
 - responses are bytes (``decode_responses=False``): payloads are msgpack.
+
+Sentinel: ``redis+sentinel://[[user]:password@]host:port[,host:port...]/SERVICE[/DB]`` names the
+sentinels (port 26379 when left out) and the master's service name. Every client made here then
+asks the sentinels for the current primary when it connects, so after a promotion a broken
+connection is replaced by one to the new primary. The password is the primary's (the sentinels are
+asked without one). ``redact_url`` shows any URL without its password, for logs and errors.
 """
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from urllib.parse import unquote
+
 import redis
 import redis.asyncio
+import redis.asyncio.sentinel
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -38,6 +49,62 @@ DEFAULT_SOCKET_TIMEOUT = 5.0
 DEFAULT_CONNECT_TIMEOUT = 2.0
 DEFAULT_HEALTH_CHECK_INTERVAL = 15
 DEFAULT_RETRIES = 3
+
+
+SENTINEL_SCHEME = "redis+sentinel://"
+DEFAULT_SENTINEL_PORT = 26379
+
+
+@dataclass(slots=True, frozen=True)
+class SentinelURL:
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.lower().startswith(SENTINEL_SCHEME)
+
+
+def _host_port(item: str, url: str) -> tuple[str, int]:
+    host, sep, port = item.rpartition(":") if not item.endswith("]") else (item, "", "")
+    if not sep:
+        host, port = item, str(DEFAULT_SENTINEL_PORT)
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{redact_url(url)}: bad sentinel address {item!r} (want host:port)")
+    return host, int(port)
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """``redis+sentinel://:pw@h1:26379,h2:26379/mymaster/0`` -> its sentinels, service, db, password."""
+    if not is_sentinel_url(url):
+        raise ValueError(f"{redact_url(url)}: not a {SENTINEL_SCHEME} URL")
+    rest = url[len(SENTINEL_SCHEME):].split("?", 1)[0]
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username, password = (unquote(user) or None), (unquote(pw) if colon else None)
+        if not colon:             # "secret@host": the whole userinfo is the password, as redis-py reads it
+            username, password = None, unquote(user)
+    sentinels = tuple(_host_port(h, url) for h in hosts.split(",") if h)
+    parts = [p for p in path.split("/") if p]
+    if not sentinels or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError(f"{redact_url(url)}: expected {SENTINEL_SCHEME}[:password@]host:port[,host:port...]"
+                         "/SERVICE[/DB]")
+    return SentinelURL(sentinels, unquote(parts[0]), int(parts[1]) if len(parts) == 2 else 0, username, password)
+
+
+_PASSWORD = re.compile(r"(?<=://)([^/@]*?):([^/@]*)@")
+
+
+def redact_url(url: str) -> str:
+    """A Redis URL as it may be logged: ``redis://:secret@h/0`` -> ``redis://:[redacted]@h/0``."""
+    return _PASSWORD.sub(lambda m: f"{m.group(1)}:[redacted]@", url)
 
 
 def hiredis_available() -> bool:
@@ -68,6 +135,22 @@ def _kwargs(socket_timeout: float | None, socket_connect_timeout: float | None,
     return kw
 
 
+class _BlockingSentinelPool(redis.asyncio.sentinel.SentinelConnectionPool, redis.asyncio.BlockingConnectionPool):
+    """The sentinel pool (asks the sentinels for the primary on connect) with the blocking pool's wait."""
+
+
+def _retry(retry_cls, retries: int, backoff_base: float, backoff_cap: float):
+    return retry_cls(ExponentialWithJitterBackoff(cap=backoff_cap, base=backoff_base), retries,
+                     supported_errors=RETRY_ERRORS)
+
+
+def _sentinel_kwargs(kw: dict) -> dict:
+    """The sentinels' own connections: short timeouts (a query must never wait like a subscriber's
+    read), no password, no client name; a sentinel that does not answer is skipped for the next."""
+    t = kw.get("socket_connect_timeout") or DEFAULT_CONNECT_TIMEOUT
+    return {"socket_timeout": t, "socket_connect_timeout": t, "socket_keepalive": True}
+
+
 def redis_client(url: str = DEFAULT_REDIS_URL, *, socket_timeout: float | None = DEFAULT_SOCKET_TIMEOUT,
                  socket_connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
                  health_check_interval: int = DEFAULT_HEALTH_CHECK_INTERVAL,
@@ -76,12 +159,16 @@ def redis_client(url: str = DEFAULT_REDIS_URL, *, socket_timeout: float | None =
                  decode_responses: bool = False) -> redis.Redis:
     """A synchronous client (redis.Redis) with Kaiten's timeouts, health checks and retries."""
     from redis.retry import Retry
-    retry = Retry(ExponentialWithJitterBackoff(cap=backoff_cap, base=backoff_base), retries,
-                  supported_errors=RETRY_ERRORS)
-    return redis.Redis.from_url(
-        url, retry=retry,
-        **_kwargs(socket_timeout, socket_connect_timeout, health_check_interval, client_name,
-                  max_connections, decode_responses))
+    kw = _kwargs(socket_timeout, socket_connect_timeout, health_check_interval, client_name,
+                 max_connections, decode_responses)
+    kw["retry"] = _retry(Retry, retries, backoff_base, backoff_cap)
+    if is_sentinel_url(url):
+        from redis.sentinel import Sentinel
+        su = parse_sentinel_url(url)
+        sentinel = Sentinel(list(su.sentinels), sentinel_kwargs=_sentinel_kwargs(kw))
+        return sentinel.master_for(su.service, redis_class=redis.Redis, db=su.db, username=su.username,
+                                   password=su.password, **kw)
+    return redis.Redis.from_url(url, **kw)
 
 
 def async_redis_client(url: str = DEFAULT_REDIS_URL, *, socket_timeout: float | None = DEFAULT_SOCKET_TIMEOUT,
@@ -89,17 +176,31 @@ def async_redis_client(url: str = DEFAULT_REDIS_URL, *, socket_timeout: float | 
                        health_check_interval: int = DEFAULT_HEALTH_CHECK_INTERVAL,
                        retries: int = DEFAULT_RETRIES, backoff_base: float = 0.05, backoff_cap: float = 1.0,
                        client_name: str | None = None, max_connections: int | None = None,
-                       decode_responses: bool = False) -> redis.asyncio.Redis:
+                       decode_responses: bool = False, pool_wait_s: float | None = None) -> redis.asyncio.Redis:
     """An asyncio client (redis.asyncio.Redis) with the same settings as ``redis_client``.
 
     For a pub/sub connection that waits for messages, call ``get_message(timeout=...)`` with a
     timeout below ``socket_timeout`` (or pass ``socket_timeout=None`` for a dedicated subscriber
     client): the health check keeps the idle subscription verified.
+
+    With ``pool_wait_s`` (and ``max_connections``) the pool blocks: a command that finds every
+    connection busy waits up to ``pool_wait_s`` for one instead of failing at once.
     """
     from redis.asyncio.retry import Retry
-    retry = Retry(ExponentialWithJitterBackoff(cap=backoff_cap, base=backoff_base), retries,
-                  supported_errors=RETRY_ERRORS)
-    return redis.asyncio.Redis.from_url(
-        url, retry=retry,
-        **_kwargs(socket_timeout, socket_connect_timeout, health_check_interval, client_name,
-                  max_connections, decode_responses))
+    kw = _kwargs(socket_timeout, socket_connect_timeout, health_check_interval, client_name,
+                 max_connections, decode_responses)
+    kw["retry"] = _retry(Retry, retries, backoff_base, backoff_cap)
+    blocking = pool_wait_s is not None
+    if blocking:
+        kw["timeout"] = pool_wait_s
+    if is_sentinel_url(url):
+        su = parse_sentinel_url(url)
+        sentinel = redis.asyncio.sentinel.Sentinel(list(su.sentinels), sentinel_kwargs=_sentinel_kwargs(kw))
+        pool_class = _BlockingSentinelPool if blocking else redis.asyncio.sentinel.SentinelConnectionPool
+        return sentinel.master_for(su.service, redis_class=redis.asyncio.Redis, connection_pool_class=pool_class,
+                                   db=su.db, username=su.username, password=su.password, **kw)
+    if blocking:
+        pool = redis.asyncio.BlockingConnectionPool.from_url(url, **kw)
+        return redis.asyncio.Redis.from_pool(pool)
+    return redis.asyncio.Redis.from_url(url, **kw)
+

@@ -26,6 +26,16 @@ class ChildFlag:
         return self.flag[2:].replace("-", "_")
 
 
+def _speculative_config(text: str) -> str:
+    """Checked by `serve` before any child starts; handed on as given."""
+    from shared.config import SpeculativeConfig
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 CHILD_FLAGS = (
     ChildFlag("--dtype", "KAITEN_DTYPE", "engine",
               "auto | bfloat16 | float16 | float32 (auto: bf16 where the hardware has bf16 matmuls)"),
@@ -40,11 +50,17 @@ CHILD_FLAGS = (
               "CUDA: fraction of the GPU's memory the engine may use (default 0.9)", float),
     ChildFlag("--enforce-eager", "KAITEN_ENFORCE_EAGER", "engine",
               "no CUDA graphs, no torch.compile (the eager model)", None),
+    ChildFlag("--speculative-config", "KAITEN_SPECULATIVE_CONFIG", "engine",
+              'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 5, '
+              '"prompt_lookup_max": 4} (default: none)', _speculative_config),
     ChildFlag("--served-model-name", "KAITEN_SERVED_MODEL_NAME", "gateway",
               "the model's name in the API (default: the directory's name)"),
     ChildFlag("--allowed-origins", "KAITEN_ALLOWED_ORIGINS", "gateway",
               "without an API key, web pages of these origins may use the WebSocket besides the gateway's "
               "own page (comma-separated, * for any)"),
+    ChildFlag("--routing", "KAITEN_ROUTING", "gateway",
+              "prefix: each request to the engine holding most of its prompt's KV blocks, load permitting; "
+              "queue: the shared stream (default prefix)"),
     ChildFlag("--generation-config", "KAITEN_GENERATION_CONFIG", "gateway",
               "default sampling: auto (the model's generation_config.json), vllm (the OpenAI defaults) "
               "or a directory (default auto)"),

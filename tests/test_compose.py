@@ -83,12 +83,13 @@ def check_config(cfg: dict) -> None:
     # All configuration from the environment.
     for name in KAITEN_SERVICES & set(services):
         env = services[name]["environment"]
-        assert env["REDIS_URL"] == "redis://redis:6379/0", name
+        assert env["REDIS_URL"] in ("redis://redis:6379/0", "${KAITEN_REDIS_URL:-redis://redis:6379/0}"), name
         assert env["KAITEN_MODELS_DIR"] == "/models", name
     # Prompts tokenized in-process unless KAITEN_TOKENIZER_URL names the (optional) tokenizer service.
     assert services["gateway"]["environment"].get("TOKENIZER_URL") in (None, "", "${KAITEN_TOKENIZER_URL:-}")
     assert services["tokenizer"]["profiles"] == ["tokenizer"]
     assert services["gateway"]["environment"]["KAITEN_HOST"] == "0.0.0.0"
+    assert services["gateway"]["environment"]["KAITEN_ROUTING"] in ("prefix", "${KAITEN_ROUTING:-prefix}")
     assert services["tokenizer"]["environment"]["KAITEN_HOST"] == "0.0.0.0"
 
     # Commands.
@@ -123,10 +124,28 @@ def check_monitoring(cfg: dict) -> None:
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
 
 
+def check_ha(cfg: dict) -> None:
+    """The ha profile: two replicas of `redis` and three sentinels watching it (quorum 2, the
+    primary down after 1 s), each with a healthcheck; no host port."""
+    services = cfg["services"]
+    replicas, sentinels = ["redis-replica-1", "redis-replica-2"], ["sentinel-1", "sentinel-2", "sentinel-3"]
+    for name in replicas + sentinels:
+        assert services[name]["profiles"] == ["ha"] and services[name].get("healthcheck", {}).get("test"), name
+        assert not services[name].get("ports"), name
+    for name in replicas:
+        assert "--replicaof redis 6379" in _cmd_text(services[name]["command"]), name
+    for name in sentinels:
+        cmd = _cmd_text(services[name]["command"])
+        assert "--sentinel monitor kaiten redis 6379 2" in cmd and "down-after-milliseconds kaiten 1000" in cmd
+        assert "--sentinel" in _cmd_text(services[name]["entrypoint"]) and "26379" in _cmd_text(
+            services[name]["healthcheck"]["test"])
+
+
 def test_compose_file_structure():
     cfg = yaml.safe_load(COMPOSE.read_text())
     check_config(cfg)
     check_monitoring(cfg)
+    check_ha(cfg)
     assert "models" in cfg["volumes"]
 
 
@@ -192,6 +211,14 @@ def test_docker_compose_config(tmp_path):
     assert (svc["prometheus"]["image"], svc["grafana"]["image"]) == ("kaiten-local/prometheus:2",
                                                                      "kaiten-local/grafana:11")
     assert _published(svc["grafana"]["ports"][0]) == ("127.0.0.1", "3111")
+    # --profile ha adds the replicas and sentinels; KAITEN_REDIS_URL points every service at them.
+    sentinel_url = "redis+sentinel://sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/kaiten/0"
+    ha = yaml.safe_load(config("--profile", "cpu", "--profile", "ha", "config",
+                               extra_env={"KAITEN_REDIS_URL": sentinel_url}).stdout)
+    check_ha(ha)
+    for name in ("gateway", "engine-cpu", "model-init"):
+        assert ha["services"][name]["environment"]["REDIS_URL"] == sentinel_url, name
+    assert not {"sentinel-1", "redis-replica-1"} & default
     # Environment overrides reach the services.
     cfg = yaml.safe_load(config("--profile", "gpu", "config", extra_env={"KAITEN_HTTP_PORT": "9123",
                                                                        "KAITEN_KV_CACHE_MEMORY": "3GiB"}).stdout)

@@ -117,14 +117,15 @@ class Stack:
 
 
 @contextmanager
-def two_engines_and_a_gateway(model_dir, tmp_path, go_files: dict[str, str] | None = None):
+def two_engines_and_a_gateway(model_dir, tmp_path, go_files: dict[str, str] | None = None, **gateway_overrides):
     server = RedisServer().start()
     r = redis.Redis.from_url(server.url)
     logs = {e: tmp_path / f"{e}.log" for e in ("eng-a", "eng-b")}
     procs = {e: engine_process(server.url, model_dir, e, logs[e], (go_files or {}).get(e, "-")) for e in logs}
     srv = tap = None
     try:
-        srv = start_gateway(server.url, model_dir, engine_timeout=5.0, failover_timeout=2.0)
+        srv = start_gateway(server.url, model_dir, **{"engine_timeout": 5.0, "failover_timeout": 2.0,
+                                                      **gateway_overrides})
         tap = ReplyTap(server.url, srv.gw.gateway_id)
         yield Stack(server, r, procs, srv, tap, logs)
     finally:
@@ -149,8 +150,8 @@ def wait_engines(st: Stack, engine_ids, timeout: float = 120.0) -> None:
 
 
 # ---------------------------------------------------------------------- clients
-async def sse_completion(client: httpx.AsyncClient, prompt: list[int]) -> dict:
-    body = {"prompt": prompt, "max_tokens": N_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+async def sse_completion(client: httpx.AsyncClient, prompt: list[int], max_tokens: int = N_TOKENS) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     text, finish, done, errors, usage = "", None, False, [], None
     async with client.stream("POST", "/v1/completions", json=body) as resp:

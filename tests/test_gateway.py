@@ -94,6 +94,7 @@ BAD_REQUESTS = [
     ("top_p zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
     ("top_p above one", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400),
     ("top_k below -1", "/v1/completions", {"prompt": "hi", "top_k": -2}, 400),
+    ("top_k beyond int32", "/v1/completions", {"prompt": "hi", "top_k": 2**64}, 400),
     ("n zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400),
     ("n too large", "/v1/completions", {"prompt": "hi", "n": 1000}, 400),
     ("n boolean", "/v1/completions", {"prompt": "hi", "n": True}, 400),
@@ -183,6 +184,8 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, 400),
     ("tool message without tool_call_id", "/v1/chat/completions",
      {"messages": [{"role": "tool", "content": "42"}]}, 400),
+    ("min_tokens with structured output", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 3, "response_format": {"type": "json_object"}}, 400),
     ("assistant tool_calls arguments not JSON", "/v1/chat/completions",
      {"messages": [{"role": "assistant", "content": None, "tool_calls": [
          {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]}, 400),

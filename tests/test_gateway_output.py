@@ -313,3 +313,39 @@ def test_stop_checker_include_stop_and_min_tokens():
     assert c.feed("ab", 1) == ("ab", False)            # within min_tokens: no match
     assert c.feed("a", 2) == ("a", False)
     assert c.feed("b x ab", 3) == ("b x ", True)     # the "a" of the min_tokens text does not start one
+
+
+def test_fencing_a_moved_request_ignores_its_old_engine(tok):
+    """After a move (rekeyed to <origin>~1, now held by eng-b): the old engine's late deltas for
+    the old id are unknown, its deltas for the new id are foreign; the client sees neither."""
+    h = Harness(tok)
+    s = h.add("r", [1, 2])
+    h.proc.process("eng-a", [Delta("r", 0, [40])], h.streams, ["r"])
+    h.streams.pop("r")
+    s.request_id, s.origin_id, s.engine_id = "r~1", "r", None      # what ReplyRouter.rekey does
+    h.streams["r~1"] = s
+    h.proc.process("eng-b", [Delta("r~1", 1, [41])], h.streams, ["r~1"])
+    h.proc.process("eng-a", [Delta("r", 1, [99]), Delta("r", 2, [98])], h.streams)     # healed, late
+    h.proc.process("eng-a", [Delta("r~1", 2, [97])], h.streams)                        # not its engine
+    h.proc.process("eng-b", [Delta("r~1", 2, [42], finish_reason="length")], h.streams)
+    assert s.token_ids == [40, 41, 42] and not h.failed
+    assert h.counters["unknown_request"] == 2 and h.counters["foreign_engine"] == 1
+    assert [p.finish_reason for p in drain(s)][-1] == "length"
+
+
+def test_fencing_a_stale_handoff_moves_nothing():
+    """A shutdown handoff from an engine that no longer holds the request (delayed across a
+    partition), or naming an id moved already, is counted stale; the holder's own one moves it."""
+    from gateway.router import ReplyRouter
+    from shared.protocol import Handoff, encode
+    router = ReplyRouter(None, "gw", monitor=None, engine_timeout=5.0)
+    moved: list[tuple[list[str], str]] = []
+    router.on_move = lambda states, why, abort_old: moved.append(([s.request_id for s in states], why))
+    s = RequestState("r~1", 0, [1], 1e18, None, StopChecker([]))
+    s.engine_id = "eng-b"
+    router.register(s)
+    router._on_message(encode(Handoff("eng-a", ["r~1"], "shutdown")))
+    router._on_message(encode(Handoff("eng-a", ["r"], "shutdown")))
+    assert not moved and router.counters["stale_handoffs"] == 2
+    router._on_message(encode(Handoff("eng-b", ["r~1"], "shutdown")))
+    assert moved == [(["r~1"], "engine eng-b is shutting down")] and router.counters["handoffs"] == 1

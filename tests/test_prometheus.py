@@ -82,7 +82,9 @@ def test_dashboard_is_well_formed():
                    "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
                    "request_generation_tokens", "request_success_total", "request_errors_total",
                    "requests_rejected_total", "request_failovers_total", "prompt_tokens_total",
-                   "generation_tokens_total", "gateway_requests_in_flight", "request_stream_backlog"):
+                   "generation_tokens_total", "gateway_requests_in_flight", "request_stream_backlog",
+                   "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                   "spec_decode_num_accepted_tokens_total"):
         assert f"kaiten:{series}" in text, series
 
 

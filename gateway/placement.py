@@ -1,0 +1,151 @@
+"""Cache-aware routing: which stream a new request goes to.
+
+The gateway hashes the prompt's full blocks (``shared.block_hash``, the prefix cache's own
+function) and counts, for each live engine that accepts work, how many leading blocks it holds:
+what its last block list said (``EngineMonitor``) plus what this gateway learned since (``_Sent``):
+the prompts it routed there, so a burst before the next heartbeat sees its own effect, and the
+prompt and output of each request that finished there, so a chat's next turn finds its history. Then, in the manner of
+SGLang's router:
+
+- ``no_hit``: the best engine holds less than ``cache_threshold`` of the prompt: the shared stream,
+  where any engine with room takes it (the queue, as without routing).
+- ``load_spill``: the best engine (most blocks; the least loaded among equals) is busier than the
+  least loaded engine by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
+  times: the least loaded engine's own stream.
+- ``prefix_hit``: else the best engine's own stream.
+- ``fallback``: routing is off (``--routing queue``), no engine reports its blocks, or none is live.
+
+Load is an engine's running + waiting requests from its heartbeat plus those this gateway sent it
+since. A request routed to an engine that dies, drains or does not admit it within
+``spill_timeout`` is moved by the watchdog (router.py) like any failover.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared import names
+from shared.block_hash import prefix_block_hashes
+
+from .engines import EngineInfo, EngineMonitor
+
+ROUTING_POLICIES = ("prefix", "queue")
+REASONS = ("prefix_hit", "load_spill", "no_hit", "fallback")
+MAX_SENT_HASHES = 65_536            # per engine: optimistic knowledge is bounded
+
+
+@dataclass(slots=True)
+class Decision:
+    stream: str
+    engine_id: str | None            # None: the shared stream
+    reason: str
+    hit_blocks: int = 0
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What this gateway knows of one engine that its block list and heartbeat may not show yet:
+    the requests it routed there, and the blocks those (and finished requests) left in its cache."""
+    requests: deque = field(default_factory=deque)           # time.monotonic() of each routed request
+    batches: deque = field(default_factory=deque)            # (time.monotonic(), block hashes)
+    hashes: dict[int, float] = field(default_factory=dict)   # block hash -> when last learned
+
+    def add(self, t: float, hashes: list[int], routed: bool) -> None:
+        if routed:
+            self.requests.append(t)
+        if len(self.hashes) + len(hashes) > MAX_SENT_HASHES:
+            return
+        self.batches.append((t, hashes))
+        for h in hashes:
+            self.hashes[h] = t
+
+    def forget_before(self, t: float) -> None:
+        while self.requests and self.requests[0] < t:
+            self.requests.popleft()
+        while self.batches and self.batches[0][0] < t:
+            _, hashes = self.batches.popleft()
+            for h in hashes:
+                if self.hashes.get(h, t) < t:
+                    del self.hashes[h]
+
+
+class Placer:
+    def __init__(self, monitor: EngineMonitor, policy: str = "prefix", cache_threshold: float = 0.5,
+                 balance_abs_threshold: int = 8, balance_rel_threshold: float = 1.5,
+                 liveness_timeout: float = 1.5):
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {policy!r}")
+        self.monitor = monitor
+        self.policy = policy
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.liveness_timeout = liveness_timeout
+        self._sent: dict[str, _Sent] = {}
+
+    def place(self, prompt_ids: list[int], now: float | None = None) -> Decision:
+        now = time.monotonic() if now is None else now
+        engines = self._candidates(now) if self.policy == "prefix" else []
+        if not engines:
+            return Decision(names.REQUEST_STREAM, None, "fallback")
+        block_size = int(engines[0].get("block_size"))
+        # The engine never serves a prompt's last token from its cache: neither do we count it.
+        hashes = prefix_block_hashes(prompt_ids, block_size, (len(prompt_ids) - 1) // block_size)
+        loads = {e.engine_id: self._load(e, now) for e in engines}
+        hits = {e.engine_id: self._hit_blocks(e, hashes) for e in engines}
+        best = max(engines, key=lambda e: (hits[e.engine_id], -loads[e.engine_id]))
+        best_hit = hits[best.engine_id]
+        if not hashes or best_hit * block_size < self.cache_threshold * len(prompt_ids):
+            return Decision(names.REQUEST_STREAM, None, "no_hit", best_hit)
+        least = min(engines, key=lambda e: loads[e.engine_id])
+        lo, hi = loads[least.engine_id], loads[best.engine_id]
+        if hi > lo + self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
+            return self._send(least, hashes, now, "load_spill", hits[least.engine_id])
+        return self._send(best, hashes, now, "prefix_hit", best_hit)
+
+    def _candidates(self, now: float) -> list[EngineInfo]:
+        """Live engines that accept work and report their blocks, all of one block size."""
+        live = [e for e in self.monitor.live_engines(now, self.liveness_timeout)
+                if e.get("accepting", True) and e.get("block_size") and e.blocks_version is not None]
+        sizes = {int(e.get("block_size")) for e in live}
+        return live if len(sizes) == 1 else []
+
+    def _sent_to(self, engine: EngineInfo, now: float) -> _Sent:
+        sent = self._sent.setdefault(engine.engine_id, _Sent())
+        # What was sent a heartbeat interval (plus a poll) before the latest reading is in it.
+        interval = float(engine.get("heartbeat_interval", 0.5)) + self.monitor.poll_interval
+        sent.forget_before(min(engine.last_alive, engine.blocks_seen or engine.last_alive) - interval)
+        return sent
+
+    def _load(self, engine: EngineInfo, now: float) -> float:
+        sent = self._sent_to(engine, now)
+        return int(engine.get("num_running")) + int(engine.get("num_waiting")) + len(sent.requests)
+
+    def _hit_blocks(self, engine: EngineInfo, hashes: list[int]) -> int:
+        held, sent = engine.blocks, self._sent.get(engine.engine_id)
+        extra = sent.hashes if sent is not None else {}
+        n = 0
+        for h in hashes:
+            if h not in held and h not in extra:
+                break
+            n += 1
+        return n
+
+    def _send(self, engine: EngineInfo, hashes: list[int], now: float, reason: str, hit: int) -> Decision:
+        self._sent.setdefault(engine.engine_id, _Sent()).add(now, hashes, routed=True)
+        return Decision(names.engine_stream(engine.engine_id), engine.engine_id, reason, hit)
+
+    def learned(self, engine_id: str | None, token_ids: list[int], now: float | None = None) -> None:
+        """A request finished on `engine_id`: its prompt and output are in that engine's cache now (the
+        next turn of a chat resends them), before its next block list says so."""
+        engine = self.monitor.engines.get(engine_id) if engine_id else None
+        if self.policy != "prefix" or engine is None or not engine.get("block_size"):
+            return
+        hashes = prefix_block_hashes(token_ids, int(engine.get("block_size")))
+        self._sent.setdefault(engine_id, _Sent()).add(time.monotonic() if now is None else now, hashes, routed=False)
+
+    def forget(self, engine_ids: set[str]) -> None:
+        """Drop what was sent to engines no longer known."""
+        for engine_id in [e for e in self._sent if e not in engine_ids]:
+            del self._sent[engine_id]

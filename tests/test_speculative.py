@@ -1,0 +1,205 @@
+"""Speculative decoding (n-gram prompt lookup): the engine's output is the one without it.
+
+Greedy tokens equal HF generate's with drafts verified in mixed batches (chunked prefill, prefix
+cache hits, preemption); seeded sampling draws the same tokens; and the distribution of sampled
+tokens, estimated from many seeds, is the one without speculation."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_worker import SamplingParams
+from engine_worker.speculative import NgramProposer
+from shared.config import SpeculativeConfig
+from tests.test_engine import assert_all_blocks_released, expected, greedy, hf_model, make_llm, prompts, run_staggered  # noqa: F401
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+LONG = 64
+
+
+def spec_llm(model_dir, forward="compiled", **kw):
+    return make_llm(model_dir, forward, speculative_config=NGRAM, **kw)
+
+
+def assert_drafts_accepted(llm, at_least: int = 1) -> None:
+    stats = llm.engine.speculator.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= at_least, stats
+
+
+def test_ngram_proposer_takes_the_latest_longest_match():
+    p = NgramProposer(SpeculativeConfig(prompt_lookup_max=3, prompt_lookup_min=1))
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]     # the 3-gram's latest match
+    assert p.propose([4, 8, 6, 4], 3) == [8, 6, 4]                          # falls back to a 1-gram
+    assert p.propose([1, 2, 3], 3) == []                                    # no match
+    assert p.propose([1, 2, 1], 0) == []
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{", "not valid JSON"), ("[1]", "JSON object"), ('{"num_speculative_tokens": 3}', "needs a 'method'"),
+    ('{"method": "eagle"}', "not supported"), ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
+    ('{"method": "ngram", "k": 2}', "unknown keys"),
+    ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "exceeds")])
+def test_bad_speculative_config_says_what_is_wrong(text, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.parse(text)
+
+
+@pytest.mark.parametrize("forward", ["eager", "compiled"])
+def test_greedy_matches_hf_with_speculation(tiny_model_dir, prompts, expected, forward):
+    llm = spec_llm(tiny_model_dir, forward)
+    assert [c.token_ids for c in llm.generate(prompts, greedy())] == expected
+    assert_drafts_accepted(llm)
+    assert_all_blocks_released(llm)
+
+
+class OracleProposer:
+    """Drafts from the known greedy outputs, one of them wrong on some steps: verification then
+    accepts whole drafts, parts of drafts and none, across block boundaries."""
+
+    def __init__(self, prompts, outputs):
+        self.outputs = {tuple(p): o for p, o in zip(prompts, outputs)}
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        n = next(n for n in range(len(token_ids), 0, -1) if tuple(token_ids[:n]) in self.outputs)
+        drafts = list(self.outputs[tuple(token_ids[:n])][len(token_ids) - n:][:k])
+        wrong = len(token_ids) % 7
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % 384
+        return drafts
+
+
+def test_long_greedy_outputs_are_identical_with_verified_drafts(tiny_model_dir, prompts):
+    """Staggered admission gives mixed batches of prefills and verifications, with prefix-cache
+    hits; drafts that are mostly right give accepted runs of several tokens."""
+    off = [c.token_ids for c in make_llm(tiny_model_dir).generate(prompts, greedy(LONG))]
+    llm = spec_llm(tiny_model_dir)
+    llm.engine.speculator.proposer = OracleProposer(prompts, off)
+    assert run_staggered(llm, prompts, greedy(LONG)) == off
+    stats = llm.engine.speculator.stats
+    assert stats.accepted_per_position[3] > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert llm.engine.block_manager.num_hit_tokens > 0
+    assert_all_blocks_released(llm)
+    again = llm.generate(prompts, greedy(LONG))     # the blocks verified drafts filled are cached right
+    assert [c.token_ids for c in again] == off
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_greedy_matches_hf_with_speculation_and_chunked_prefill(tiny_model_dir, prompts, expected, backend):
+    llm = spec_llm(tiny_model_dir, max_num_batched_tokens=13, attention_backend=backend)
+    assert run_staggered(llm, prompts, greedy()) == expected
+    assert_drafts_accepted(llm)
+    assert_all_blocks_released(llm)
+
+
+def test_greedy_matches_hf_with_speculation_under_preemption(tiny_model_dir, prompts, expected):
+    cfg_bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
+    llm = spec_llm(tiny_model_dir, kv_cache_memory=20 * cfg_bytes_per_block, max_num_batched_tokens=64)
+    assert run_staggered(llm, prompts, greedy()) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_drafts_accepted(llm)
+    assert_all_blocks_released(llm)
+
+
+def test_speculative_config_flag_is_checked_and_handed_to_the_engine(tiny_model_dir, capsys):
+    from engine_worker.worker import build_parser, configs_from_args
+    from engine_worker.worker import main as engine_main
+    from shared.launcher import main as serve_main
+    from shared.up_flags import child_args
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main(["--speculative-config", '{"method": "eagle"}'])
+    assert exit_info.value.code == 2
+    assert "method 'eagle' is not supported" in capsys.readouterr().err
+    assert engine_main(["--model", str(tiny_model_dir), "--speculative-config", '{"method": "ngram", "x": 1}']) == 2
+    assert "unknown keys ['x']" in capsys.readouterr().err
+    from shared.launcher import build_parser as serve_parser
+    args = serve_parser().parse_args(["--speculative-config", NGRAM])
+    assert child_args(args, "engine")[-2:] == ["--speculative-config", NGRAM]
+    assert "--speculative-config" not in child_args(args, "gateway")
+    ecfg, _ = configs_from_args(build_parser().parse_args(["--speculative-config", NGRAM]), resolve_model=False)
+    assert ecfg.speculative() == SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_speculation(tiny_model_dir, prompts):
+    """Each output position's noise is a function of (seed, position), and "sample, accept while
+    equal" is rejection sampling for a point-mass draft: seeded outputs, logprobs included, are
+    those without speculation (penalties, logit bias, min_tokens, top-k/top-p, stop tokens)."""
+    params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=100 + i, max_tokens=LONG, logprobs=2,
+                             presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.1,
+                             logit_bias=[[5, 3.0], [7, -2.0]], min_tokens=8, stop_token_ids=[11])
+              for i in range(len(prompts))]
+    off = make_llm(tiny_model_dir).generate(prompts, params)
+    llm = spec_llm(tiny_model_dir)
+    llm.engine.speculator.proposer = OracleProposer(prompts, [c.token_ids for c in off])
+    on = llm.generate(prompts, params)
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert [c.finish_reason for c in on] == [c.finish_reason for c in off]
+    for a, b in zip(on, off):
+        assert [lp.token_id for lp in a.logprobs] == [lp.token_id for lp in b.logprobs]
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
+    assert llm.engine.speculator.stats.accepted_per_position[3] > 0
+    assert_all_blocks_released(llm)
+
+
+class FixedDraft:
+    """Proposes, after the first output token t0, the token `drafts[t0]`."""
+
+    def __init__(self, prompt_len: int, drafts: dict[int, int]):
+        self.prompt_len, self.drafts = prompt_len, drafts
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return [self.drafts[token_ids[-1]]] if len(token_ids) == self.prompt_len + 1 and k else []
+
+
+def test_sampled_distribution_is_unchanged_by_speculation(tiny_model_dir, hf_model):
+    """The joint distribution of the first two sampled tokens (temperature 0.7, top-k 4), the
+    second verified against a draft (the most likely token after the first), estimated from
+    4000 unseeded draws, is the model's: total variation distance and acceptance rate within
+    sampling error. Always accepting the draft, or never, is far outside both."""
+    import torch
+    prompt, temp, top_k, draws = [3, 17, 42, 99, 120, 7, 64, 200], 0.7, 4, 4000
+
+    def top(ids):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids])).logits[0, -1] / temp
+        vals, toks = logits.topk(top_k)
+        return dict(zip(toks.tolist(), torch.softmax(vals, -1).tolist()))
+    first = top(prompt)
+    second = {t0: top(prompt + [t0]) for t0 in first}
+    exact = {(t0, t1): p0 * p1 for t0, p0 in first.items() for t1, p1 in second[t0].items()}
+    drafts = {t0: max(dist, key=dist.get) for t0, dist in second.items()}
+    llm = spec_llm(tiny_model_dir, "eager")
+    llm.engine.speculator.proposer = FixedDraft(len(prompt), drafts)
+    params = SamplingParams(temperature=temp, top_k=top_k, max_tokens=3, ignore_eos=True)
+    got = [tuple(c.token_ids[:2]) for c in llm.generate([prompt] * draws, params)]
+    tv = 0.5 * sum(abs(got.count(pair) / draws - p) for pair, p in exact.items())
+    assert set(got) <= set(exact) and tv < 0.05, (tv, exact)
+    stats = llm.engine.speculator.stats
+    want = sum(p0 * second[t0][drafts[t0]] for t0, p0 in first.items())
+    assert stats.num_draft_tokens == draws
+    assert abs(stats.num_accepted_tokens / draws - want) < 0.04, (stats, want)
+
+
+def test_spec_decode_counters_reach_the_engine_metrics(tiny_model_dir, prompts):
+    """Proposed, accepted and per-position counters, as vLLM's, from the engine's stats."""
+    import dataclasses
+
+    from prometheus_client import generate_latest
+
+    from engine_worker.metrics import EngineMetrics
+    llm = spec_llm(tiny_model_dir, "eager")
+    llm.generate(prompts[:6], greedy())
+    metrics = EngineMetrics("tiny", "e1", counters=None)
+    metrics.registry.unregister(next(c for c in list(metrics.registry._collector_to_names)
+                                     if type(c).__name__ == "WorkerEvents"))
+    stats = dataclasses.asdict(llm.engine.stats())
+    metrics.update(stats)
+    metrics.update(stats)           # counters advance by what grew: not twice
+    text = generate_latest(metrics.registry).decode()
+    st = llm.engine.speculator.stats
+    assert st.num_draft_tokens > 0
+    assert f'kaiten:spec_decode_num_draft_tokens_total{{engine="e1",model_name="tiny"}} {st.num_draft_tokens}.0' in text
+    assert f'kaiten:spec_decode_num_accepted_tokens_total{{engine="e1",model_name="tiny"}} {st.num_accepted_tokens}.0' in text
+    assert f'kaiten:spec_decode_num_drafts_total{{engine="e1",model_name="tiny"}} {st.num_drafts}.0' in text
+    assert (f'kaiten:spec_decode_num_accepted_tokens_per_pos_total{{engine="e1",model_name="tiny",position="0"}} '
+            f'{st.accepted_per_position[0]}.0') in text
