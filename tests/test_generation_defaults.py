@@ -8,6 +8,7 @@ import shutil
 import httpx
 import pytest
 
+from shared import gguf_convert
 from shared.generation_defaults import GenerationDefaults, load_generation_defaults
 from shared.gguf_convert import CONVERTER_VERSION, MARKER, RECOMMENDED_SAMPLING, ensure_default_model
 from shared.launcher import banner
@@ -96,17 +97,20 @@ def test_load_rejects_invalid_values_and_reads_a_directory(tmp_path):
         source="vllm (no generation_config.json)")
 
 
-def test_default_model_conversion_upgrades_to_the_recommended_sampling(tmp_path):
-    """A default-model directory converted before version 2 gets the model card's sampling added,
-    keeping its token ids; a current one is left alone."""
+def test_an_older_default_model_conversion_is_redone(tmp_path, monkeypatch):
+    """A default-model directory converted by an older converter version is converted again."""
     d = tmp_path / "SmolLM2-135M-Instruct"
     d.mkdir()
-    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    (d / MARKER).write_text(json.dumps({"converter_version": 1, "source": "x"}))
+    (d / MARKER).write_text(json.dumps({"converter_version": CONVERTER_VERSION - 1, "source": "x"}))
+
+    def build(out_dir):
+        (out_dir / "generation_config.json").write_text(json.dumps(RECOMMENDED_SAMPLING))
+        return {"source": "rebuilt"}
+
+    monkeypatch.setattr(gguf_convert, "_build_default_model", build)
     assert ensure_default_model(tmp_path) == d
-    gen = json.loads((d / "generation_config.json").read_text())
-    assert gen == {"bos_token_id": 1, "eos_token_id": 2, **RECOMMENDED_SAMPLING}
-    assert json.loads((d / MARKER).read_text())["converter_version"] == CONVERTER_VERSION
+    marker = json.loads((d / MARKER).read_text())
+    assert (marker["converter_version"], marker["source"]) == (CONVERTER_VERSION, "rebuilt")
     defaults = load_generation_defaults(d)
     assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.2, 0.9, 256)
 
