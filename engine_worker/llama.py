@@ -16,8 +16,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from engine_worker.quant_layers import QuantEmbedding, QuantLinear
 from kernels.cpu_attention import cpu_ops_loaded
 from kernels.interface import AttentionBackend, AttentionMetadata
+from shared.gguf_convert import QUANTIZED_FILE
+from shared.gguf_quant import PackedWeight, concat
 from shared.progress import Progress
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -190,14 +193,38 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)
 
+    def use_quantized(self, packed: dict[str, PackedWeight], dtype: torch.dtype) -> None:
+        """Swap the projections, the embedding and the output layer whose weights `packed` holds
+        (by HF module name) for quantized layers; q/k/v and gate/up only when every part is there.
+        Call before load_weights, which then skips them."""
+        fused = {("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 ("self_attn", "o_proj"): ("self_attn.o_proj",),
+                 ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
+                 ("mlp", "down_proj"): ("mlp.down_proj",)}
+        for i, layer in enumerate(self.layers):
+            for (block, attr), parts in fused.items():
+                names = [f"model.layers.{i}.{part}" for part in parts]
+                module = getattr(layer, block)
+                if all(n in packed for n in names) and getattr(module, attr).bias is None:
+                    setattr(module, attr, QuantLinear(concat([packed[n] for n in names])))
+        if "model.embed_tokens" in packed:
+            self.embed_tokens = QuantEmbedding(QuantLinear(packed["model.embed_tokens"]), dtype)
+            if self.lm_head is None:
+                self.lm_head = self.embed_tokens.table
+        if "lm_head" in packed:
+            self.lm_head = QuantLinear(packed["lm_head"])
+
     @torch.no_grad()
     def load_weights(self, model_dir: str | Path) -> None:
-        """Load HF-named safetensors, fusing q/k/v and gate/up as they arrive."""
+        """Load HF-named safetensors, fusing q/k/v and gate/up as they arrive; weights of layers
+        that use_quantized swapped are not read."""
         params = dict(self.named_parameters())
+        quantized = {f"{name}.weight" for name, m in self.named_modules(remove_duplicate=False)
+                     if isinstance(m, (QuantLinear, QuantEmbedding))}
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         loaded: set[str] = set()
-        files = sorted(Path(model_dir).glob("*.safetensors"))
+        files = sorted(p for p in Path(model_dir).glob("*.safetensors") if p.name != QUANTIZED_FILE)
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {model_dir}")
         progress = Progress(logging.getLogger("kaiten.engine"), f"loading weights from {model_dir}",
@@ -214,11 +241,13 @@ class LlamaForCausalLM(nn.Module):
                     if len(parts) >= 2 and parts[-2] in fused:
                         new, shard = fused[parts[-2]]
                         target = ".".join(parts[:-2] + [new, parts[-1]])
+                        if target in quantized:
+                            continue
                         _copy_shard(params[target], tensor, shard, self.cfg)
                         loaded.add(f"{target}#{shard}")
                         continue
                     if target not in params:
-                        if target == "lm_head.weight" and self.lm_head is None:
+                        if target in quantized or (target == "lm_head.weight" and self.lm_head is None):
                             continue
                         raise ValueError(f"unexpected weight {name} in {path.name}")
                     params[target].copy_(tensor)

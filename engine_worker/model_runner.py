@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,8 +12,12 @@ from engine_worker.cuda_graphs import DecodeGraphRunner
 from engine_worker.host_memory import zeros_on_huge_pages
 from engine_worker.llama import LlamaForCausalLM, ModelConfig, PackedLinear, cpu_has_native_bf16
 from engine_worker.scheduler import ScheduledBatch
+from kernels.cpu_attention import cpp_attention_available
 from kernels.interface import AttentionMetadata, get_attention_backend
+from shared import gguf_quant
 from shared.config import EngineConfig, parse_memory
+from shared.gguf_convert import QUANTIZED_FILE
+from shared.gguf_quant import PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,9 @@ class ModelRunner:
             log.warning("attention backend %s needs block_size %d (configured %d); using %d",
                         self.backend.name, self.block_size, config.block_size, self.block_size)
         self.model = LlamaForCausalLM(self.model_config).to(device=self.device, dtype=self.dtype)
+        packed = self._quantized_weights(model_dir)
+        if packed:
+            self.model.use_quantized(packed, self.dtype)
         self.model.load_weights(model_dir)
         self.model.eval()
         if config.pack_cpu_weights and PackedLinear.supported(self.device, self.dtype):
@@ -82,6 +90,22 @@ class ModelRunner:
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                 max_seqlen_k=self.max_model_len, device=self.device)
             self.graphs.capture()
+
+    def _quantized_weights(self, model_dir: str) -> dict[str, PackedWeight]:
+        """The GGUF's quantized matrices as stored, where the model has them, --quantization is
+        auto and the CPU kernel loads; else none (the dequantized weights are used)."""
+        path = Path(model_dir) / QUANTIZED_FILE
+        if self.config.quantization not in ("auto", "none"):
+            raise ValueError(f"unknown quantization {self.config.quantization!r}; choose auto or none")
+        if self.config.quantization == "none" or not path.is_file():
+            return {}
+        if self.device.type != "cpu" or not cpp_attention_available():
+            log.warning("the quantized weights in %s need the CPU kernel; using the dequantized ones", path)
+            return {}
+        packed = gguf_quant.load(path)
+        log.info("%d matrices served quantized as stored (%s)", len(packed),
+                 ", ".join(sorted({f"{w.kind}/{w.group}" for w in packed.values()})))
+        return packed
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory != "auto":

@@ -119,6 +119,8 @@ class EngineConfig(_EnvConfig):
     model: str = ""                      # model directory; "" means the default SmolLM2
     dtype: str = "auto"                  # auto | bfloat16 | float32 | float16 (auto: bf16 where the
                                          # hardware has bf16 matmuls, i.e. CUDA or AVX512-BF16/AMX)
+    quantization: str = "auto"           # auto: a GGUF's quantized matrices multiplied as stored (CPU);
+                                         # none: dequantized to dtype at load
     device: str = "cpu"
     num_threads: int = 0                 # torch CPU threads; 0 = torch's default (one per core).
                                          # Use 1 when several engines share few cores: OpenMP

@@ -39,6 +39,9 @@ def _speculative_config(text: str) -> str:
 CHILD_FLAGS = (
     ChildFlag("--dtype", "KAITEN_DTYPE", "engine",
               "auto | bfloat16 | float16 | float32 (auto: bf16 where the hardware has bf16 matmuls)"),
+    ChildFlag("--quantization", "KAITEN_QUANTIZATION", "engine",
+              "auto: a GGUF model's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K weights as stored (CPU); none: dequantized "
+              "to --dtype (default auto)"),
     ChildFlag("--device", "KAITEN_DEVICE", "engine", "cpu | cuda | cuda:N (default: cuda when torch sees a GPU)"),
     ChildFlag("--max-model-len", "KAITEN_MAX_MODEL_LEN", "engine", "context length (default: the model's)", int),
     ChildFlag("--max-num-seqs", "KAITEN_MAX_NUM_SEQS", "engine", "most requests in one batch (default 256)", int),

@@ -29,8 +29,10 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(model_dir: Path, path: Path, pre: str = "gpt2") -> Path:
-    """The tiny HF model directory as an F32 GGUF file."""
+def write_llama_gguf(model_dir: Path, path: Path, pre: str = "gpt2", qtype: str | None = None,
+                     embed_qtype: str | None = None) -> Path:
+    """The tiny HF model directory as a GGUF file: F32, or its matrices quantized with gguf's own
+    quantizer to `qtype` (the embedding and output layer to `embed_qtype`, if given)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -75,7 +77,13 @@ def write_llama_gguf(model_dir: Path, path: Path, pre: str = "gpt2") -> Path:
                 t = _llama_cpp_permute(t, cfg["num_key_value_heads"])
         else:
             gname = names[name]
-        w.add_tensor(gname, np.ascontiguousarray(t, dtype=np.float32))
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        kind = embed_qtype or qtype if gname in ("token_embd.weight", "output.weight") else qtype
+        if kind and t.ndim == 2:
+            kind = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(gname, gguf.quants.quantize(t, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gname, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,60 @@
+"""The engine on a quantized GGUF file: --quantization auto (the matrices as stored, multiplied by
+kaiten_cpu::quant_linear) against none (the same file dequantized to bf16 at conversion, computed
+in fp32). A tiny random Llama with tied embeddings, as SmolLM2: Q4_1 projections, a Q8_0 embedding
+that is also the output layer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_worker import LLM, SamplingParams
+from engine_worker.quant_layers import QuantEmbedding, QuantLinear
+from kernels.cpu_attention import cpp_attention_available
+from tests.test_model_source import write_llama_gguf
+from tests.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
+
+PROMPTS = ["The capital of France is", "Hello world! How are", "A paged KV cache stores keys", "0123456789"]
+# Logprobs of the same tokens, quantized vs dequantized: the dequantized weights are rounded to
+# bf16 at conversion (relative error up to 2^-9 a weight), the quantized ones are exact.
+LOGPROB_TOL = 0.05
+
+
+@pytest.fixture(scope="module")
+def quant_gguf(tmp_path_factory):
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tied-llama"), tie_word_embeddings=True)
+    return write_llama_gguf(model_dir, tmp_path_factory.mktemp("gguf") / "tiny-llama.Q4_1.gguf",
+                            qtype="Q4_1", embed_qtype="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def engines(quant_gguf, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KAITEN_MODELS_DIR", str(tmp_path_factory.mktemp("models")))
+        # auto compiled (its graph calls the dispatcher op), none eager
+        return {q: LLM(str(quant_gguf), dtype="float32", quantization=q, kv_cache_memory=8 * 2**20,
+                       enforce_eager=q == "none") for q in ("auto", "none")}
+
+
+def test_auto_serves_every_matrix_quantized(engines):
+    model = engines["auto"].engine.runner.model
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.lm_head is model.embed_tokens.table
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(lin, QuantLinear) and lin.qweight.dtype == torch.uint8
+    assert model.embed_tokens.table.qweight.dtype == torch.int8
+    assert not any(isinstance(m, QuantLinear) for m in engines["none"].engine.runner.model.modules())
+
+
+def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines):
+    params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = {q: llm.generate(PROMPTS, params) for q, llm in engines.items()}
+    assert engines["auto"].engine.runner.compiled is not None
+    assert "kaiten_cpu::quant_linear" in {e.key for e in prof.key_averages()}
+    for a, b in zip(got["auto"], got["none"]):
+        diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+        assert max(diffs) < LOGPROB_TOL, diffs
+    tokens = [(x, y) for a, b in zip(got["auto"], got["none"]) for x, y in zip(a.token_ids, b.token_ids)]
+    assert sum(x == y for x, y in tokens) >= 0.9 * len(tokens)
