@@ -22,3 +22,13 @@ def load_avg() -> float | None:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return None
+
+
+def cpu_flags(names: tuple[str, ...]) -> str:
+    """Which of the /proc/cpuinfo flags `names` this CPU has, space-separated."""
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+    have = set(line.split(":", 1)[1].split())
+    return " ".join(f for f in names if f in have)

@@ -1,8 +1,8 @@
 """Linear and embedding layers on GGUF-quantized weights kept as stored (shared/gguf_quant.py).
 
 QuantLinear multiplies with kaiten_cpu::quant_linear from the C++ extension (kernels/csrc/
-quant_linear_cpu.cpp), which dequantizes in registers for few rows and into tiles for a dense GEMM
-for many; QuantEmbedding dequantizes only the rows it looks up. A tied output layer is a
+quant_linear_cpu.cpp), which dequantizes in registers for few rows and into chunks for a dense
+GEMM for many; QuantEmbedding dequantizes only the rows it looks up. A tied output layer is a
 QuantLinear on the embedding's own buffers, so the largest matrix stays quantized and stored once.
 """
 from __future__ import annotations
@@ -13,9 +13,10 @@ from torch import nn
 
 from shared.gguf_quant import PackedWeight
 
-# Rows of x from which quant_linear dequantizes tiles for at::mm instead of multiplying in
-# registers: bench/quant_linear.py on a 2-core EPYC (AVX-512), SmolLM2-135M's shapes.
-MIN_TILE_ROWS = 16
+# Rows of x from which quant_linear dequantizes chunks for at::mm instead of multiplying in
+# registers: bench/quant_linear.py on a 2-core EPYC with AVX512-BF16, SmolLM2-135M's shapes: in
+# registers is ahead at 16 rows, the dense GEMM at 32 (bench/results/quant_linear_*.md).
+MIN_DENSE_ROWS = 24
 
 
 class QuantLinear(nn.Module):
@@ -29,7 +30,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("mins", None if packed.mins is None else torch.from_numpy(np.ascontiguousarray(packed.mins)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kaiten_cpu.quant_linear(x, self.qweight, self.scales, self.mins, MIN_TILE_ROWS)
+        return torch.ops.kaiten_cpu.quant_linear(x, self.qweight, self.scales, self.mins, MIN_DENSE_ROWS)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in fp32, computed as gguf's dequantizer does."""

@@ -161,7 +161,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("kaiten_cpu::packed_linear")(
         lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
     torch.library.register_fake("kaiten_cpu::quant_linear")(
-        lambda x, qweight, scales, mins, min_tile_rows: x.new_empty((*x.shape[:-1], qweight.shape[0])))
+        lambda x, qweight, scales, mins, min_dense_rows: x.new_empty((*x.shape[:-1], qweight.shape[0])))
 
 
 def cpu_ops_loaded() -> bool:

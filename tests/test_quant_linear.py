@@ -1,5 +1,5 @@
 """kaiten_cpu::quant_linear (kernels/csrc/quant_linear_cpu.cpp) against dequantize-then-matmul,
-for every GGUF format, both paths (in registers, and tiles into at::mm) and odd shapes."""
+for every GGUF format, both paths (in registers, and dequantized chunks into at::mm) and odd shapes."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,7 @@ from tests.test_gguf_quant import gguf_tensor
 
 pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
 
-DIRECT, TILED = 1 << 30, 1          # min_tile_rows: never tile, always tile
+DIRECT, DENSE = 1 << 30, 1          # min_dense_rows: never dense, always dense
 # (format, N, K): N not a multiple of 16, K a multiple of 32 (of 256 for the K-quants)
 CASES = [("Q4_0", 37, 96), ("Q4_1", 45, 160), ("Q8_0", 37, 96), ("Q4_K", 19, 512), ("Q6_K", 23, 256)]
 
@@ -31,18 +31,18 @@ def reference(x: torch.Tensor, lin: QuantLinear) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt,n,k", CASES + [("mixed", 21, 256)])
 @pytest.mark.parametrize("m", [1, 3, 33])
-@pytest.mark.parametrize("min_tile_rows", [DIRECT, TILED])
-def test_quant_linear_matches_dequantized_matmul(fmt, n, k, m, min_tile_rows):
+@pytest.mark.parametrize("min_dense_rows", [DIRECT, DENSE])
+def test_quant_linear_matches_dequantized_matmul(fmt, n, k, m, min_dense_rows):
     lin = layer(fmt, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    out = torch.ops.kaiten_cpu.quant_linear(x, lin.qweight, lin.scales, lin.mins, min_tile_rows)
+    out = torch.ops.kaiten_cpu.quant_linear(x, lin.qweight, lin.scales, lin.mins, min_dense_rows)
     ref = reference(x, lin)
     assert out.shape == (m, lin.qweight.shape[0]) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("min_tile_rows", [DIRECT, TILED])
-def test_pool_threads_in_inference_mode(min_tile_rows):
+@pytest.mark.parametrize("min_dense_rows", [DIRECT, DENSE])
+def test_pool_threads_in_inference_mode(min_dense_rows):
     """The engine calls the op in inference mode on several threads (the tests' default is one)."""
     lin = layer("Q4_1", 300, 96)
     x = torch.randn(20, 96)
@@ -50,7 +50,7 @@ def test_pool_threads_in_inference_mode(min_tile_rows):
     torch.set_num_threads(2)
     try:
         with torch.inference_mode():
-            out = torch.ops.kaiten_cpu.quant_linear(x, lin.qweight, lin.scales, lin.mins, min_tile_rows)
+            out = torch.ops.kaiten_cpu.quant_linear(x, lin.qweight, lin.scales, lin.mins, min_dense_rows)
     finally:
         torch.set_num_threads(threads)
     ref = reference(x, lin)

@@ -1,0 +1,115 @@
+"""Weight-only quantized projections on SmolLM2-135M's shapes: kaiten_cpu::quant_linear (in
+registers, and dequantized chunks into at::mm) against the dense PackedLinear (oneDNN) in the same
+dtype and PyTorch's own aten._weight_int4pack_mm_for_cpu / aten._weight_int8pack_mm (bf16 x).
+
+Each shape is timed as 30 copies (one per layer; the output layer once), so the weights stream
+from memory as in a decode step; methods run interleaved, round after round, and the median of
+the rounds is reported. Random Q4_1 and Q8_0 weights (gguf's own quantizer).
+
+    .venv/bin/python bench/quant_linear.py [--rows 1,4,8,16,32,64,256] [--rounds 7] [--threads 2] [--dtype bfloat16]
+
+Writes bench/results/quant_linear_<dtype>.md.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.machine import cpu_name, load_avg  # noqa: E402
+from engine_worker.llama import PackedLinear  # noqa: E402
+from engine_worker.quant_layers import QuantLinear  # noqa: E402
+from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from shared.gguf_quant import repack  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {"qkv 960x576": (960, 576, 30), "o 576x576": (576, 576, 30), "gate_up 3072x576": (3072, 576, 30),
+          "down 576x1536": (576, 1536, 30), "lm_head 49152x576": (49152, 576, 1)}   # (N, K, copies)
+DIRECT, DENSE = 1 << 30, 1
+
+
+def quantized(fmt: str, n: int, k: int, seed: int) -> QuantLinear:
+    import gguf
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) * 0.02
+    qtype = gguf.GGMLQuantizationType[fmt]
+    return QuantLinear(repack(gguf.quants.quantize(w, qtype), fmt))
+
+
+def methods(fmt: str, layers: list[QuantLinear], dense: list[PackedLinear], m: int, dtype: torch.dtype) -> dict:
+    """name -> a function running one pass over the copies, on `m` rows."""
+    n, k = layers[0].qweight.shape[0], layers[0].scales.shape[1] * 32
+    x, xb = torch.randn(m, k).to(dtype), torch.randn(m, k).bfloat16()
+    out = {"oneDNN (dequantized)": lambda: [d(x) for d in dense],
+           "quant_linear registers": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, DIRECT)
+                                              for q in layers],
+           "quant_linear chunks+mm": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, DENSE)
+                                             for q in layers]}
+    if fmt == "Q4_1":   # aten int4: values 0..15 with (q - 8) * scale + zero, zero = min + 8 scale
+        packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.cat([q.qweight.view(n, -1, 16) & 0x0F, q.qweight.view(n, -1, 16) >> 4], -1).view(n, k).int(), 1)
+            for q in layers]
+        sz = [torch.stack([q.scales, q.mins + 8 * q.scales], -1).transpose(0, 1).contiguous().bfloat16() for q in layers]
+        out["aten int4pack_mm (bf16 x)"] = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, 32, s)
+                                                    for p, s in zip(packed, sz)]
+    else:               # aten int8: per-channel scales only, so not Q8_0's per-32 ones (speed only)
+        w8 = [q.qweight for q in layers]
+        s8 = [q.scales[:, 0].bfloat16().contiguous() for q in layers]
+        out["aten int8pack_mm (bf16 x, per-channel)"] = lambda: [torch.ops.aten._weight_int8pack_mm(xb, w, s)
+                                                                 for w, s in zip(w8, s8)]
+    return out
+
+
+def measure(fns: dict, rounds: int) -> dict[str, float]:
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,4,8,16,32,64,256")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--formats", default="Q4_1,Q8_0")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    load_extension()
+    lines = [f"# quant_linear on SmolLM2-135M shapes, {args.dtype} activations\n",
+             f"CPU: {cpu_name()}, {args.threads} threads, "
+             f"extension ISA {cpu_capability()[0]}, torch {torch.__version__}, load before {load_avg()}.\n",
+             "Median ms of one pass over the copies (30 per projection shape, 1 for lm_head); ratio: "
+             f"dense {args.dtype} time / this time (>1 is faster than dense).\n"]
+    for fmt in args.formats.split(","):
+        for label, (n, k, copies) in SHAPES.items():
+            lines += [f"\n## {fmt} {label} x{copies}\n", "| rows | " + " | ".join(
+                [f"{args.dtype} oneDNN", "registers", "chunks+mm", "aten (bf16 x)"]) + " |", "|---:|---:|---:|---:|---:|"]
+            layers = [quantized(fmt, n, k, seed) for seed in range(copies)]
+            dense = [PackedLinear(lin.dequantize().to(dtype), None) for lin in layers]
+            for m in (int(r) for r in args.rows.split(",")):
+                t = measure(methods(fmt, layers, dense, m, dtype), args.rounds)
+                base = t["oneDNN (dequantized)"]
+                cells = [f"{v:.3f} ({base / v:.2f}x)" for v in t.values()]
+                lines.append(f"| {m} | " + " | ".join(cells) + " |")
+                print(fmt, label, m, " ".join(f"{k}={v:.3f}" for k, v in t.items()), flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"quant_linear_{args.dtype}.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
