@@ -80,3 +80,16 @@ def test_bad_arguments_are_errors():
     lin = layer("Q8_0", 37, 96)
     with pytest.raises(RuntimeError, match="features"):
         torch.ops.kaiten_cpu.quant_linear(torch.randn(1, 64), lin.qweight, lin.scales, lin.mins, DIRECT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_other_isa_builds(isa):
+    """The AVX2 and portable builds of the extension (KAITEN_CPU_ISA) pass this file's kernel tests."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "KAITEN_CPU_ISA": isa}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "not other_isa"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "skipped" not in out.stdout, out.stdout[-3000:]
