@@ -272,9 +272,26 @@ def test_liveness_key_expires_without_refresh(redis_server, tiny_model_dir):
         key = names.gateway_alive_key(srv.gw.gateway_id)
         assert r.exists(key)
         # A gateway that stops refreshing (hung, killed): the key is gone within the TTL.
-        task = next(t for t in srv.gw._tasks if t.get_name() == "kaiten-gateway-alive")
-        task.get_loop().call_soon_threadsafe(task.cancel)
+        srv.gw.alive.stop()
         assert wait_until(lambda: not r.exists(key), timeout=names.GATEWAY_ALIVE_TTL_S + 1.0)
+    finally:
+        srv.stop()
+        eng.stop()
+
+
+def test_liveness_key_outlives_a_blocked_event_loop(redis_server, tiny_model_dir):
+    """A gateway whose event loop is busy for longer than the key's TTL (a load spike) is still
+    alive to the engines: the key is refreshed by its own thread and connection."""
+    r = redis.Redis.from_url(redis_server.url)
+    eng = FakeEngine(redis_server.url, engine_id="fake-busy", model=tiny_model_dir.name).start()
+    srv = start_gateway(redis_server.url, tiny_model_dir)
+    try:
+        key = names.gateway_alive_key(srv.gw.gateway_id)
+        srv.gw._tasks[0].get_loop().call_soon_threadsafe(time.sleep, 2.5 * names.GATEWAY_ALIVE_TTL_S)
+        deadline = time.monotonic() + 2.5 * names.GATEWAY_ALIVE_TTL_S
+        while time.monotonic() < deadline:
+            assert r.exists(key)
+            time.sleep(0.05)
     finally:
         srv.stop()
         eng.stop()
