@@ -1,4 +1,5 @@
-"""What every HTTP route of the gateway shares: the Gateway of the app, API-key auth, the JSON body.
+"""What every HTTP route of the gateway shares: the Gateway of the app, API-key auth, the JSON body
+in and out.
 
 A key comes as ``Authorization: Bearer KEY``. A browser cannot set that header on a WebSocket, so the
 WebSocket also takes it as the subprotocol ``kaiten.bearer.<base64url of the key's UTF-8, unpadded>``
@@ -15,11 +16,13 @@ import hmac
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.websockets import WebSocket
 
 from .core import Gateway
 from .errors import APIError, bad_request
 from .json_body import parse_json
+from .response_models import Reply, encode
 
 
 def gateway_of(request: Request | WebSocket) -> Gateway:
@@ -99,3 +102,8 @@ async def read_json(request: Request, limit: int, max_depth: int) -> Any:
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
     return parse_json(raw, max_depth)
+
+
+def json_response(model: type[Reply], body: dict) -> Response:
+    """A 200 whose body is `body` written through `model` (gateway/response_models.py)."""
+    return Response(encode(model, body), media_type="application/json")
