@@ -9,7 +9,7 @@ has its off value.
 """
 from __future__ import annotations
 
-import functools
+import json
 import logging
 from typing import Annotated, Any, Literal, Union
 
@@ -53,8 +53,9 @@ class Strict(BaseModel):
 
 
 class Body(Strict):
-    """A request body: unknown fields ignored (``validate`` warns about them)."""
-    model_config = ConfigDict(extra="ignore")
+    """A request body: unknown fields kept aside in ``model_extra`` and ignored (``validate`` warns
+    about them)."""
+    model_config = ConfigDict(extra="allow")
 
 
 # ---------------------------------------------------------------------- parts
@@ -293,6 +294,10 @@ def _param(loc: tuple) -> str | None:
 def _error(e: ValidationError) -> APIError:
     err = e.errors(include_url=False)[0]
     kind = err["type"]
+    if kind == "json_invalid":
+        return bad_request(f"invalid JSON in the request body: {err['ctx']['error']}", None, "invalid_json")
+    if not err["loc"]:
+        return bad_request("the request body must be a JSON object", None, "invalid_type")
     param = _param(err["loc"])
     if kind == "union_tag_invalid":            # name the tag field: response_format.type
         param = f"{param}.{err['ctx']['discriminator'].strip(chr(39))}"
@@ -304,10 +309,10 @@ def _error(e: ValidationError) -> APIError:
     return bad_request(f"'{param}': {err['msg']}", param, code)
 
 
-def flatten(body: dict, allowed: frozenset[str]) -> dict:
+def flatten(body: dict) -> dict:
     """The body with an "extra_body" object's fields (as some clients send them) merged in."""
     extra = body.get("extra_body")
-    if extra is None or "extra_body" not in allowed:
+    if extra is None:
         return body
     if not isinstance(extra, dict):
         raise bad_request("'extra_body' must be an object", "extra_body", "invalid_type")
@@ -326,34 +331,37 @@ def _names(names: set[str], most: int = 16) -> str:
     return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-@functools.cache
-def fields_of(model: type[BaseModel]) -> frozenset[str]:
-    """The JSON names of `model`'s fields (a cache: models do not change)."""
-    return frozenset(f.alias or name for name, f in model.model_fields.items())
-
-
-@functools.cache
-def _unsupported(model: type[Body]) -> frozenset[str]:
-    """The fields of UNSUPPORTED_FIELDS that `model` declares (a cache: models do not change)."""
-    return frozenset(UNSUPPORTED_FIELDS) if issubclass(model, SamplingRequest) else frozenset()
-
-
-def validate(model: type[Body], body: Any, allowed: frozenset[str] | None = None) -> Any:
-    """`body` as `model`: extra_body merged, unknown fields warned about (and fields outside
-    `allowed` dropped), known unsupported fields refused unless off. A 400 names the field."""
+def validate(model: type[Body], body: bytes | Any, allowed: frozenset[str] | None = None) -> Any:
+    """`body` as `model`: validated straight from the JSON bytes (``model_validate_json``), or from
+    the decoded JSON where fields outside `allowed` are dropped. "extra_body" merged, unknown fields
+    warned about, known unsupported fields refused unless off. A 400 names the field."""
+    if isinstance(body, bytes):
+        req = _validated(model.model_validate_json, body)
+        if getattr(req, "extra_body", None) is None:
+            return _checked(req)
+        body = json.loads(body)           # rare: merge extra_body's fields, then validate again
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
-    known = allowed if allowed is not None else fields_of(model)
-    body = flatten(body, known)
-    unknown = body.keys() - known
-    if unknown:
-        log.warning("ignoring unknown request fields: %s", _names(unknown))
-        body = {k: v for k, v in body.items() if k in known}
-    for name in body.keys() & _unsupported(model):
-        v = body[name]
-        if v is not None and v != UNSUPPORTED_FIELDS[name] and v not in ([], {}):
-            raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
+    if allowed is not None and body.keys() - allowed:
+        log.warning("ignoring unknown request fields: %s", _names(body.keys() - allowed))
+        body = {k: v for k, v in body.items() if k in allowed}
+    if "extra_body" in model.model_fields:
+        body = flatten(body)
+    return _checked(_validated(model.model_validate, body))
+
+
+def _validated(validator, body: Any) -> Any:
     try:
-        return model.model_validate(body)
+        return validator(body)
     except ValidationError as e:
         raise _error(e) from None
+
+
+def _checked(req: Body) -> Body:
+    if req.model_extra:
+        log.warning("ignoring unknown request fields: %s", _names(set(req.model_extra)))
+    for name in req.model_fields_set & UNSUPPORTED_FIELDS.keys():
+        v = getattr(req, name)
+        if v is not None and v != UNSUPPORTED_FIELDS[name] and v not in ([], {}):
+            raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
+    return req

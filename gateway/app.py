@@ -38,7 +38,7 @@ from shared.model_source import ModelNotFoundError
 from . import openapi, server_logs
 from .core import Gateway, resolve_model_dir
 from .errors import APIError, bad_request
-from .http_common import authorized, check_auth, gateway_of, json_response, read_json, token_from, ws_subprotocol
+from .http_common import authorized, check_auth, gateway_of, json_response, read_body, token_from, ws_subprotocol
 from .json_body import parse_json
 from .metrics import CONTENT_TYPE_LATEST
 from .openai_api import parse_chat, parse_completion
@@ -97,7 +97,7 @@ async def _generate(request: Request, parse, id_prefix: str, stream, respond) ->
     gw = gateway_of(request)
     try:
         check_auth(request)
-        body = await read_json(request, gw.config.max_body_bytes, gw.config.max_json_depth)
+        body = await read_body(request, gw.config.max_body_bytes, gw.config.max_json_depth)
         parsed = await parse(body, gw.model_context())
         gw.admit(parsed)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
