@@ -79,7 +79,7 @@ def _worker(model_dir: str) -> None:
     from tokenizer_service import ChatTokenizer
     from tokenizer_service.client import make_tokenizer
 
-    # This revision's body check: bytes checked and handed to validation, or (before pydantic) decoded.
+    # What the revision hands parse_chat: the checked bytes, or (before check_json) the decoded body.
     body_of = getattr(json_body, "check_json", json_body.parse_json)
     tok = make_tokenizer(model_dir, "", ChatTokenizer.from_pretrained(model_dir))
     loop = asyncio.new_event_loop()

@@ -52,10 +52,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
+def _any_other_fields(schema: dict[str, Any]) -> None:
+    """A body's schema leaves additionalProperties unsaid (JSON Schema's default: any): "true" from
+    extra="allow" made Schemathesis generate deep junk fields, which crashed its generator."""
+    schema.pop("additionalProperties", None)
+
+
 class Body(Strict):
     """A request body: unknown fields kept aside in ``model_extra`` and ignored (``validate`` warns
     about them)."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_any_other_fields)
 
 
 # ---------------------------------------------------------------------- parts
