@@ -1,4 +1,4 @@
-"""The API's request and response bodies as pydantic models: vLLM's field names, OpenAI's types,
+"""The API's request bodies as pydantic models: vLLM's field names, OpenAI's types,
 defaults and limits. They validate every request (``validate``) and generate /openapi.json
 (gateway/openapi.py). Rules that need the model (vocabulary, context, max n) or join fields are in
 gateway/openai_api.py.
@@ -9,7 +9,7 @@ has its off value.
 """
 from __future__ import annotations
 
-import functools
+import json
 import logging
 from typing import Annotated, Any, Literal, Union
 
@@ -52,9 +52,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
+def _any_other_fields(schema: dict[str, Any]) -> None:
+    """A body's schema leaves additionalProperties unsaid (JSON Schema's default: any): "true" from
+    extra="allow" made Schemathesis generate deep junk fields, which crashed its generator."""
+    schema.pop("additionalProperties", None)
+
+
 class Body(Strict):
-    """A request body: unknown fields ignored (``validate`` warns about them)."""
-    model_config = ConfigDict(extra="ignore")
+    """A request body: unknown fields kept aside in ``model_extra`` and ignored (``validate`` warns
+    about them)."""
+    model_config = ConfigDict(extra="allow", json_schema_extra=_any_other_fields)
 
 
 # ---------------------------------------------------------------------- parts
@@ -293,6 +300,10 @@ def _param(loc: tuple) -> str | None:
 def _error(e: ValidationError) -> APIError:
     err = e.errors(include_url=False)[0]
     kind = err["type"]
+    if kind == "json_invalid":
+        return bad_request(f"invalid JSON in the request body: {err['ctx']['error']}", None, "invalid_json")
+    if not err["loc"]:
+        return bad_request("the request body must be a JSON object", None, "invalid_type")
     param = _param(err["loc"])
     if kind == "union_tag_invalid":            # name the tag field: response_format.type
         param = f"{param}.{err['ctx']['discriminator'].strip(chr(39))}"
@@ -304,10 +315,10 @@ def _error(e: ValidationError) -> APIError:
     return bad_request(f"'{param}': {err['msg']}", param, code)
 
 
-def flatten(body: dict, allowed: frozenset[str]) -> dict:
+def flatten(body: dict) -> dict:
     """The body with an "extra_body" object's fields (as some clients send them) merged in."""
     extra = body.get("extra_body")
-    if extra is None or "extra_body" not in allowed:
+    if extra is None:
         return body
     if not isinstance(extra, dict):
         raise bad_request("'extra_body' must be an object", "extra_body", "invalid_type")
@@ -326,228 +337,37 @@ def _names(names: set[str], most: int = 16) -> str:
     return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-@functools.cache
-def fields_of(model: type[BaseModel]) -> frozenset[str]:
-    """The JSON names of `model`'s fields (a cache: models do not change)."""
-    return frozenset(f.alias or name for name, f in model.model_fields.items())
-
-
-@functools.cache
-def _unsupported(model: type[Body]) -> frozenset[str]:
-    """The fields of UNSUPPORTED_FIELDS that `model` declares (a cache: models do not change)."""
-    return frozenset(UNSUPPORTED_FIELDS) if issubclass(model, SamplingRequest) else frozenset()
-
-
-def validate(model: type[Body], body: Any, allowed: frozenset[str] | None = None) -> Any:
-    """`body` as `model`: extra_body merged, unknown fields warned about (and fields outside
-    `allowed` dropped), known unsupported fields refused unless off. A 400 names the field."""
+def validate(model: type[Body], body: bytes | Any, allowed: frozenset[str] | None = None) -> Any:
+    """`body` as `model`: validated straight from the JSON bytes (``model_validate_json``), or from
+    the decoded JSON where fields outside `allowed` are dropped. "extra_body" merged, unknown fields
+    warned about, known unsupported fields refused unless off. A 400 names the field."""
+    if isinstance(body, bytes):
+        req = _validated(model.model_validate_json, body)
+        if getattr(req, "extra_body", None) is None:
+            return _checked(req)
+        body = json.loads(body)           # rare: merge extra_body's fields, then validate again
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
-    known = allowed if allowed is not None else fields_of(model)
-    body = flatten(body, known)
-    unknown = body.keys() - known
-    if unknown:
-        log.warning("ignoring unknown request fields: %s", _names(unknown))
-        body = {k: v for k, v in body.items() if k in known}
-    for name in body.keys() & _unsupported(model):
-        v = body[name]
-        if v is not None and v != UNSUPPORTED_FIELDS[name] and v not in ([], {}):
-            raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
+    if allowed is not None and body.keys() - allowed:
+        log.warning("ignoring unknown request fields: %s", _names(body.keys() - allowed))
+        body = {k: v for k, v in body.items() if k in allowed}
+    if "extra_body" in model.model_fields:
+        body = flatten(body)
+    return _checked(_validated(model.model_validate, body))
+
+
+def _validated(validator, body: Any) -> Any:
     try:
-        return model.model_validate(body)
+        return validator(body)
     except ValidationError as e:
         raise _error(e) from None
 
 
-# ---------------------------------------------------------------------- responses
-class Reply(BaseModel):
-    """A response body or part: exactly these fields (the spec says additionalProperties: false)."""
-    model_config = ConfigDict(extra="forbid")
-
-
-class ErrorDetail(Reply):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(Reply):
-    error: ErrorDetail
-
-
-class PromptTokensDetails(Reply):
-    cached_tokens: int
-
-
-class Usage(Reply):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(Reply):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class PromptLogprob(Reply):
-    logprob: float
-    rank: int | None
-    decoded_token: str
-
-
-PromptLogprobs = list[dict[str, PromptLogprob] | None] | None
-FinishReason = Literal["stop", "length", "tool_calls", "abort", "error", "cancelled"] | None
-
-
-class CompletionChoice(Reply):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: FinishReason
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs = None
-
-
-class CompletionResponse(Reply):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(Reply):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(Reply):
-    content: list[TokenLogprob] | None
-    refusal: None = None
-
-
-class ResponseFunctionCall(Reply):
-    name: str
-    arguments: str
-
-
-class ResponseToolCall(Reply):
-    id: str
-    type: Literal["function"]
-    function: ResponseFunctionCall
-
-
-class AssistantMessage(Reply):
-    role: Literal["assistant"]
-    content: str | None
-    tool_calls: list[ResponseToolCall] | None = None
-
-
-class ChatChoice(Reply):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(Reply):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-    prompt_logprobs: PromptLogprobs = None
-
-
-class DeltaFunctionCall(Reply):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(Reply):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class Delta(Reply):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(Reply):
-    index: int
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(Reply):
-    """One ``data:`` event of a streamed chat completion (the stream ends with ``data: [DONE]``)."""
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChunkChoice(Reply):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason = None
-    stop_reason: int | str | None = None
-
-
-class CompletionChunk(Reply):
-    """One ``data:`` event of a streamed completion (the stream ends with ``data: [DONE]``)."""
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChunkChoice]
-    usage: Usage | None = None
-
-
-class TokenizeResponse(Reply):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(Reply):
-    prompt: str
-
-
-class ModelCard(Reply):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    root: str
-    parent: str | None
-    max_model_len: int
-    engines: int
-
-
-class ModelList(Reply):
-    object: Literal["list"]
-    data: list[ModelCard]
+def _checked(req: Body) -> Body:
+    if req.model_extra:
+        log.warning("ignoring unknown request fields: %s", _names(set(req.model_extra)))
+    for name in req.model_fields_set & UNSUPPORTED_FIELDS.keys():
+        v = getattr(req, name)
+        if v is not None and v != UNSUPPORTED_FIELDS[name] and v not in ([], {}):
+            raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
+    return req

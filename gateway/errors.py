@@ -1,9 +1,9 @@
 """Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
 from __future__ import annotations
 
-from typing import Any
+from starlette.responses import Response
 
-from starlette.responses import JSONResponse
+from .response_models import ErrorResponse, encode
 
 _TYPES = {
     400: "invalid_request_error",
@@ -33,16 +33,20 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.retry_after = retry_after
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def json(self) -> bytes:
+        """The body as ErrorResponse writes it."""
+        return encode(ErrorResponse, self.body())
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
             return {}
         return {"Retry-After": str(max(1, int(round(self.retry_after))))}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+    def response(self) -> Response:
+        return Response(self.json(), status_code=self.status, headers=self.headers(), media_type="application/json")
 
     def __repr__(self) -> str:
         return f"APIError({self.status}, {self.code!r}, {self.message!r})"

@@ -1,4 +1,5 @@
-"""What every HTTP route of the gateway shares: the Gateway of the app, API-key auth, the JSON body.
+"""What every HTTP route of the gateway shares: the Gateway of the app, API-key auth, the JSON body
+in and out.
 
 A key comes as ``Authorization: Bearer KEY``. A browser cannot set that header on a WebSocket, so the
 WebSocket also takes it as the subprotocol ``kaiten.bearer.<base64url of the key's UTF-8, unpadded>``
@@ -15,11 +16,13 @@ import hmac
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.websockets import WebSocket
 
 from .core import Gateway
 from .errors import APIError, bad_request
-from .json_body import parse_json
+from .json_body import check_json, parse_json
+from .response_models import Reply, encode
 
 
 def gateway_of(request: Request | WebSocket) -> Gateway:
@@ -82,6 +85,16 @@ def check_auth(request: Request) -> None:
 
 async def read_json(request: Request, limit: int, max_depth: int) -> Any:
     """The body as JSON: at most `limit` bytes and `max_depth` levels of nesting, else a 413/400."""
+    return parse_json(await _read(request, limit), max_depth)
+
+
+async def read_body(request: Request, limit: int, max_depth: int) -> bytes:
+    """The body's bytes for validation (gateway/api_models.py), with read_json's limits."""
+    return check_json(await _read(request, limit), max_depth)
+
+
+async def _read(request: Request, limit: int) -> bytes:
+    """The body's bytes: at most `limit` (else a 413), not empty (else a 400)."""
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -98,4 +111,9 @@ async def read_json(request: Request, limit: int, max_depth: int) -> Any:
     raw = b"".join(chunks)
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
-    return parse_json(raw, max_depth)
+    return raw
+
+
+def json_response(model: type[Reply], body: dict) -> Response:
+    """A 200 whose body is `body` written through `model` (gateway/response_models.py)."""
+    return Response(encode(model, body), media_type="application/json")

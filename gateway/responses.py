@@ -1,8 +1,8 @@
-"""Streaming and non-streaming OpenAI responses built from the choices' pieces."""
+"""Streaming and non-streaming OpenAI responses built from the choices' pieces, each body and chunk
+written through its model in gateway/response_models.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -11,19 +11,13 @@ from .errors import APIError, GenerationError
 from .generation import SubGeneration
 from .output import Logprob, Piece
 from .openai_api import ParsedRequest
+from .response_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse,
+                              ErrorResponse, Reply, encode, sse)
 from .tools import ToolStream, extract
 
 log = logging.getLogger("kaiten.gateway")
 
 DONE = b"data: [DONE]\n\n"
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def sse(obj: Any) -> bytes:
-    return f"data: {dumps(obj)}\n\n".encode()
 
 
 def _lp(v: float) -> float:
@@ -172,15 +166,15 @@ def chat_logprobs(lps: list[Logprob] | None, top_n: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- streams
 def _chunker(parsed: ParsedRequest, gens: list[SubGeneration], rid: str, created: int,
-             obj: str) -> Callable[..., bytes]:
-    """The SSE frame of one streamed chunk (`obj`: its "object" field). With continuous_usage_stats
-    every chunk carries the usage so far."""
+             model: type[Reply], obj: str) -> Callable[..., bytes]:
+    """The SSE frame of one streamed chunk (a `model` whose "object" field is `obj`). With
+    continuous_usage_stats every chunk carries the usage so far."""
     def chunk(choices: list, **extra) -> bytes:
         d = {"id": rid, "object": obj, "created": created, "model": parsed.model, "choices": choices}
         if parsed.include_usage:
             d["usage"] = usage(parsed, gens) if parsed.continuous_usage and choices else None
         d.update(extra)
-        return sse(d)
+        return sse(model, d)
     return chunk
 
 
@@ -196,14 +190,14 @@ async def _stream(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str
             yield chunk([], usage=usage(parsed, gens))
     except APIError as e:
         error = e
-        yield sse(e.body())
+        yield sse(ErrorResponse, e.body())
     except asyncio.CancelledError:
         gw.metrics.error("client_disconnected")
         raise
     except Exception as e:              # a bug: still end the stream with an error, not a cut
         log.exception("stream %s failed", rid)
         error = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
-        yield sse(error.body())
+        yield sse(ErrorResponse, error.body())
     gw.record(gens, error)
     yield DONE
 
@@ -211,7 +205,7 @@ async def _stream(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str
 # ---------------------------------------------------------------------- completions
 def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
                    created: int) -> AsyncIterator[bytes]:
-    chunk = _chunker(parsed, gens, rid, created, "text_completion")
+    chunk = _chunker(parsed, gens, rid, created, CompletionChunk, "text_completion")
     lp_builders = {g.sub.index: CompletionLogprobs(parsed.logprobs or 0) for g in gens}
 
     # With logprobs the echoed prompt waits for its logprobs, which come with the first token.
@@ -248,7 +242,7 @@ def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: st
 
 
 def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: dict[int, list[Piece]],
-                        rid: str, created: int, prompt_texts: dict[int, str]) -> dict[str, Any]:
+                        rid: str, created: int, prompt_texts: dict[int, str]) -> bytes:
     choices = []
     for g in sorted(gens, key=lambda g: g.sub.index):
         ps = [] if parsed.echo_only else pieces.get(g.sub.index, [])
@@ -266,14 +260,14 @@ def completion_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pi
         choices.append({"index": g.sub.index, "text": prefix + text, "logprobs": lp, "finish_reason": finish,
                         "stop_reason": stop_reason,
                         "prompt_logprobs": prompt_logprobs_field(g, parsed.prompt_logprobs)})
-    return {"id": rid, "object": "text_completion", "created": created, "model": parsed.model,
-            "choices": choices, "usage": usage(parsed, gens)}
+    return encode(CompletionResponse, {"id": rid, "object": "text_completion", "created": created,
+                                       "model": parsed.model, "choices": choices, "usage": usage(parsed, gens)})
 
 
 # ---------------------------------------------------------------------- chat
 def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
              created: int) -> AsyncIterator[bytes]:
-    chunk = _chunker(parsed, gens, rid, created, "chat.completion.chunk")
+    chunk = _chunker(parsed, gens, rid, created, ChatCompletionChunk, "chat.completion.chunk")
     want_lp = parsed.logprobs is not None
     calling = parsed.tools if parsed.tools is not None and parsed.tools.parses_output else None
     tool_streams = {g.sub.index: ToolStream(calling) for g in gens} if calling else {}
@@ -304,7 +298,7 @@ def chat_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str,
 
 
 def chat_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: dict[int, list[Piece]],
-                  rid: str, created: int) -> dict[str, Any]:
+                  rid: str, created: int) -> bytes:
     choices = []
     for g in sorted(gens, key=lambda g: g.sub.index):
         ps = pieces.get(g.sub.index, [])
@@ -314,9 +308,9 @@ def chat_response(gw, parsed: ParsedRequest, gens: list[SubGeneration], pieces: 
         message, finish = _chat_message(parsed, "".join(p.text for p in ps), g.finish_reason)
         choices.append({"index": g.sub.index, "message": message, "logprobs": lp, "finish_reason": finish,
                         "stop_reason": g.stop_reason})
-    return {"id": rid, "object": "chat.completion", "created": created, "model": parsed.model,
-            "choices": choices, "usage": usage(parsed, gens),
-            "prompt_logprobs": prompt_logprobs_field(gens[0], parsed.prompt_logprobs)}
+    return encode(ChatCompletionResponse, {
+        "id": rid, "object": "chat.completion", "created": created, "model": parsed.model, "choices": choices,
+        "usage": usage(parsed, gens), "prompt_logprobs": prompt_logprobs_field(gens[0], parsed.prompt_logprobs)})
 
 
 def _chat_message(parsed: ParsedRequest, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:

@@ -14,13 +14,13 @@ import asyncio
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from .errors import APIError, bad_request
-from .http_common import check_auth, gateway_of, read_json
-from .api_models import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest, TokenizeCompletionRequest,
-                         TokenizeResponse, validate)
+from .api_models import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, validate
+from .http_common import check_auth, gateway_of, json_response, read_json
 from .openai_api import check_model, normalize_messages, template_options, tokenizer_unavailable
+from .response_models import DetokenizeResponse, TokenizeResponse
 
 OFFLOAD = 8192          # characters or ids above which the work runs on a thread
 
@@ -38,8 +38,8 @@ async def tokenize(request: Request) -> Response:
         strs = gw.text_tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
     except APIError as e:
         return e.response()
-    return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
-                                         token_strs=strs).model_dump())
+    return json_response(TokenizeResponse, {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids,
+                                            "token_strs": strs})
 
 
 async def detokenize(request: Request) -> Response:
@@ -55,7 +55,7 @@ async def detokenize(request: Request) -> Response:
         text = await _offload(len(req.tokens), gw.text_tokenizer.decode, req.tokens)
     except APIError as e:
         return e.response()
-    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+    return json_response(DetokenizeResponse, {"prompt": text})
 
 
 async def _body(request: Request) -> Any:
