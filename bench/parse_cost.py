@@ -73,9 +73,9 @@ class FakeGateway:
 def _worker(model_dir: str) -> None:
     """Reads a number of runs per line, answers each line with {case: [µs per run, ...]}."""
     from gateway import json_body
-    from gateway.openai_api import ModelContext, parse_chat
-    from gateway.output import Piece
-    from gateway.responses import chat_sse
+    from gateway.api.openai_api import ModelContext, parse_chat
+    from gateway.backend.output import Piece
+    from gateway.api.responses import chat_sse
     from tokenizer_service import ChatTokenizer
     from tokenizer_service.client import make_tokenizer
 

@@ -19,7 +19,7 @@ Around it, each thread with its own Redis connection (none ever waits for a step
 ``stream_reader`` (new requests, aborts), ``heartbeat``, ``janitor`` (dead consumers' entries),
 ``orphan_watch`` (dead gateways, deadlines). A request read during step k is admitted in step k+1.
 
-Failover (see gateway/failover.py): the gateway alone resubmits a request whose engine is gone, so
+Failover (see gateway/backend/failover.py): the gateway alone resubmits a request whose engine is gone, so
 this loop never runs an entry that another consumer read -- one a janitor claimed from a dead
 engine, or one an earlier process of this consumer name left pending. It ACKs and deletes such an
 entry and sends its gateway a ``Handoff`` (counted as ``handed_back``). On SIGTERM the loop stops

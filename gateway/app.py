@@ -3,10 +3,10 @@
     kaiten gateway [--host H] [--port P] [--model DIR] [--redis-url URL] [--tokenizer-url URL]
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), GET /v1/models
-(and /v1/models/{id}), POST /tokenize and /detokenize (vLLM's shapes; gateway/tokenize_api.py),
+(and /v1/models/{id}), POST /tokenize and /detokenize (vLLM's shapes; gateway/api/tokenize_api.py),
 WebSocket /v1/chat/ws (see .helpers/WS_PROTOCOL.md), GET /v1/status, GET /health and GET|POST
 /ping (liveness), GET /version, GET /ready (Redis reachable and an engine alive), GET /metrics
-(Prometheus), GET /openapi.json and /docs (gateway/openapi.py), and the chat page at / (gateway/static/index.html) with its files under /static.
+(Prometheus), GET /openapi.json and /docs (gateway/api/openapi.py), and the chat page at / (gateway/static/index.html) with its files under /static.
 """
 from __future__ import annotations
 
@@ -35,18 +35,19 @@ from shared.config import GatewayConfig
 from shared.log_format import add_log_flags, setup_logging, uvicorn_log_config
 from shared.model_source import ModelNotFoundError
 
-from . import openapi, server_logs
+from . import server_logs
+from .api import openapi
+from .api.errors import APIError, bad_request
+from .api.http_common import authorized, check_auth, gateway_of, json_response, read_body, token_from, ws_subprotocol
+from .api.json_body import parse_json
+from .api.openai_api import parse_chat, parse_completion
+from .api.origins import origin_allowed
+from .api.response_models import ModelCard, ModelList
+from .api.responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
+from .api.tokenize_api import detokenize, tokenize
+from .api.unhandled import CatchUnhandled
 from .core import Gateway, resolve_model_dir
-from .errors import APIError, bad_request
-from .http_common import authorized, check_auth, gateway_of, json_response, read_body, token_from, ws_subprotocol
-from .json_body import parse_json
 from .metrics import CONTENT_TYPE_LATEST
-from .openai_api import parse_chat, parse_completion
-from .origins import origin_allowed
-from .response_models import ModelCard, ModelList
-from .responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
-from .tokenize_api import detokenize, tokenize
-from .unhandled import CatchUnhandled
 
 log = logging.getLogger("kaiten.gateway")
 
@@ -456,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a token before an SSE ': keep-alive' comment; 0: never, as vLLM "
                         "(env KAITEN_SSE_KEEPALIVE, default 0: clients that strip each read, such as vllm bench "
                         "serve, lose every event after a comment that arrives alone)")
-    r = p.add_argument_group("routing (gateway/placement.py)")
+    r = p.add_argument_group("routing (gateway/backend/placement.py)")
     r.add_argument("--routing", choices=("prefix", "queue"), default=None,
                    help="prefix: send each request to the engine holding most of its prompt's KV blocks, "
                         "load permitting; queue: the shared stream, any engine (env KAITEN_ROUTING, default prefix)")

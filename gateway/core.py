@@ -1,7 +1,7 @@
 """The gateway's state: Redis clients, the reply router, the engine monitor, submission and aborts.
 
 Liveness: while it runs, the gateway keeps ``names.gateway_alive_key(gateway_id)`` set with a TTL
-of ``GATEWAY_ALIVE_TTL_S`` (refreshed every third of it by gateway/alive.py's thread, and SET in the
+of ``GATEWAY_ALIVE_TTL_S`` (refreshed every third of it by gateway/backend/alive.py's thread, and SET in the
 same pipeline as every XADD), and deletes it on a clean stop; engines abort the requests of a
 gateway whose key is gone.
 Its Redis commands share a bounded pool (``redis_max_connections``): under load they wait for a
@@ -22,16 +22,16 @@ from shared.config import GatewayConfig
 from shared.generation_defaults import load_generation_defaults
 from shared.protocol import Abort, GenerateRequest, encode
 
-from .alive import AliveKey
-from .engines import EngineMonitor
-from .errors import APIError
-from .failover import Failover
-from .generation import SubGeneration, SubRequest
+from .api.errors import APIError
+from .api.openai_api import ModelContext, ParsedRequest
+from .backend.alive import AliveKey
+from .backend.engines import EngineMonitor
+from .backend.failover import Failover
+from .backend.generation import SubGeneration, SubRequest
+from .backend.output import OutputProcessor, RequestState, StopChecker
+from .backend.placement import Placer
+from .backend.router import ReplyRouter
 from .metrics import GatewayMetrics
-from .openai_api import ModelContext, ParsedRequest
-from .output import OutputProcessor, RequestState, StopChecker
-from .placement import Placer
-from .router import ReplyRouter
 
 log = logging.getLogger("kaiten.gateway")
 
@@ -164,7 +164,7 @@ class Gateway:
 
     async def stop(self) -> None:
         if self.router is not None:
-            from .errors import GenerationError
+            from .api.errors import GenerationError
             self.router.fail_all(lambda: GenerationError(503, "the gateway is shutting down", code="shutdown"))
         if self.failover is not None:
             await self.failover.wait_idle(2.0)

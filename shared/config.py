@@ -209,7 +209,7 @@ class GatewayConfig(_EnvConfig):
     sse_keepalive: float = 0.0           # seconds without a frame before a ": keep-alive" SSE comment; 0: off
     allowed_origins: tuple[str, ...] = ()  # key-less WebSocket: Origins besides the page's own ("*": any)
     max_json_depth: int = 64             # deeper request JSON is refused (400)
-    routing: str = "prefix"              # prefix: cache-aware (gateway/placement.py) | queue: the shared stream
+    routing: str = "prefix"              # prefix: cache-aware (gateway/backend/placement.py) | queue: the shared stream
     routing_cache_threshold: float = 0.5  # route by prefix when an engine holds this share of the prompt
     routing_balance_abs_threshold: int = 8      # ... unless it is busier than the least loaded engine
     routing_balance_rel_threshold: float = 1.5  # by more than this many requests and this many times

@@ -780,7 +780,7 @@ def test_gateway_imports_without_torch():
 # ---------------------------------------------------------------------- stop strings (unit)
 def test_stop_checker_random_splits():
     import random
-    from gateway.output import StopChecker
+    from gateway.backend.output import StopChecker
     rng = random.Random(0)
     alphabet = "ab c\n"
     for _ in range(2000):

@@ -10,9 +10,9 @@ import httpx
 import pytest
 import redis
 
-from gateway.errors import GenerationError
+from gateway.api.errors import GenerationError
 from gateway.metrics import GatewayMetrics
-from gateway.output import OutputProcessor, Piece, RequestState, StopChecker
+from gateway.backend.output import OutputProcessor, Piece, RequestState, StopChecker
 from shared import names
 from shared.protocol import Delta, TokenLogprob
 from tests.engine_support import wait_until
@@ -323,7 +323,7 @@ def test_requests_are_added_without_maxlen(redis_server, tiny_model_dir):
 
 
 def test_stop_checker_include_stop_and_min_tokens():
-    from gateway.output import StopChecker
+    from gateway.backend.output import StopChecker
     c = StopChecker(["ab"], include_stop=True)
     assert c.feed("xxab yy", 1) == ("xxab", True) and c.stopped == "ab"
     c = StopChecker(["ab"], min_tokens=2)
@@ -353,7 +353,7 @@ def test_fencing_a_moved_request_ignores_its_old_engine(tok):
 def test_fencing_a_stale_handoff_moves_nothing():
     """A shutdown handoff from an engine that no longer holds the request (delayed across a
     partition), or naming an id moved already, is counted stale; the holder's own one moves it."""
-    from gateway.router import ReplyRouter
+    from gateway.backend.router import ReplyRouter
     from shared.protocol import Handoff, encode
     router = ReplyRouter(None, "gw", monitor=None, engine_timeout=5.0)
     moved: list[tuple[list[str], str]] = []

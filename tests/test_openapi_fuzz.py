@@ -102,7 +102,7 @@ def _sse_events(srv, path: str, body: dict) -> list[dict]:
 def test_streams_and_bodies_match_the_models(stack):
     """What the spec cannot say of a text/event-stream: every chunk of real streams (logprobs, usage,
     tool calls) is a CompletionChunk / ChatCompletionChunk; and the unstreamed bodies are theirs."""
-    from gateway.response_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
+    from gateway.api.response_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
                                          CompletionResponse)
     srv, model = stack["srv"], stack["model"]
     usage = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -125,7 +125,7 @@ def test_bodies_are_written_through_their_models():
     """encode: only declared fields with their declared types; optional fields left out stay out."""
     from pydantic import ValidationError
 
-    from gateway.response_models import ChatCompletionChunk, encode
+    from gateway.api.response_models import ChatCompletionChunk, encode
     chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
              "choices": [{"index": 0, "delta": {"content": "é"}, "logprobs": None, "finish_reason": None}]}
     assert encode(ChatCompletionChunk, chunk) == json.dumps(chunk, ensure_ascii=False,

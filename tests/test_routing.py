@@ -16,8 +16,8 @@ import httpx
 import msgpack
 import pytest
 
-from gateway.engines import EngineInfo, EngineMonitor
-from gateway.placement import Placer
+from gateway.backend.engines import EngineInfo, EngineMonitor
+from gateway.backend.placement import Placer
 from shared import names
 from shared.block_hash import block_hash, prefix_block_hashes
 from shared.block_index import pack_blocks, unpack_blocks

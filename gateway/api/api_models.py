@@ -1,7 +1,7 @@
 """The API's request bodies as pydantic models: vLLM's field names, OpenAI's types,
 defaults and limits. They validate every request (``validate``) and generate /openapi.json
-(gateway/openapi.py). Rules that need the model (vocabulary, context, max n) or join fields are in
-gateway/openai_api.py.
+(gateway/api/openapi.py). Rules that need the model (vocabulary, context, max n) or join fields are in
+gateway/api/openai_api.py.
 
 Requests are strict (no "10" for 10, no true for 1, no NaN). A field no model knows is ignored with
 one warning; a known field Kaiten does not implement (``UNSUPPORTED_FIELDS``) is a 400 unless it

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.websockets import WebSocket
 
-from .core import Gateway
+from ..core import Gateway
 from .errors import APIError, bad_request
 from .json_body import check_json, parse_json
 from .response_models import Reply, encode
@@ -89,7 +89,7 @@ async def read_json(request: Request, limit: int, max_depth: int) -> Any:
 
 
 async def read_body(request: Request, limit: int, max_depth: int) -> bytes:
-    """The body's bytes for validation (gateway/api_models.py), with read_json's limits."""
+    """The body's bytes for validation (gateway/api/api_models.py), with read_json's limits."""
     return check_json(await _read(request, limit), max_depth)
 
 
@@ -115,5 +115,5 @@ async def _read(request: Request, limit: int) -> bytes:
 
 
 def json_response(model: type[Reply], body: dict) -> Response:
-    """A 200 whose body is `body` written through `model` (gateway/response_models.py)."""
+    """A 200 whose body is `body` written through `model` (gateway/api/response_models.py)."""
     return Response(encode(model, body), media_type="application/json")

@@ -41,7 +41,7 @@ from typing import Any
 from shared import names
 from shared.protocol import Abort, GenerateRequest, encode
 
-from .errors import GenerationError
+from ..api.errors import GenerationError
 from .output import Piece, RequestState
 from .router import ReplyRouter
 

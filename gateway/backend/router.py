@@ -26,8 +26,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from shared import names
 from shared.protocol import Handoff, ProtocolError, TokenBatch, decode
 
+from ..api.errors import GenerationError
 from .engines import EngineMonitor
-from .errors import GenerationError
 from .output import OutputProcessor, RequestState
 
 log = logging.getLogger("kaiten.gateway")

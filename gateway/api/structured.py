@@ -7,7 +7,7 @@ checked here and turned into the engine's ``structured_output`` spec ``{"kind", 
     structured_outputs  exactly one of {"json": schema}, {"regex": str}, {"choice": [str, ...]},
                         {"grammar": EBNF str}, {"json_object": true}
 
-The shapes are the models of gateway/api_models.py; only the rules across them are checked here (the gateway does not load xgrammar, which pulls in torch): the
+The shapes are the models of gateway/api/api_models.py; only the rules across them are checked here (the gateway does not load xgrammar, which pulls in torch): the
 engine compiles the grammar, and one that does not compile comes back as a 400 with xgrammar's
 reason before any token is generated.
 """

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from shared.protocol import Delta, TokenLogprob
 
-from .errors import GenerationError
+from ..api.errors import GenerationError
 
 
 class StopChecker:

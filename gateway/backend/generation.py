@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from .errors import GenerationError
+from ..api.errors import GenerationError
 from .output import Piece, RequestState
 
 

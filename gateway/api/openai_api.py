@@ -1,7 +1,7 @@
 """OpenAI requests (completions and chat) turned into what the engine runs.
 
 The bodies (the JSON bytes of an HTTP request, or a decoded WebSocket message) are validated by
-the pydantic models of gateway/api_models.py (types, ranges, unknown and unsupported fields). What needs the served model or joins fields is checked here, before
+the pydantic models of gateway/api/api_models.py (types, ranges, unknown and unsupported fields). What needs the served model or joins fields is checked here, before
 anything is XADDed: model name, n, vocabulary, the prompt and max_tokens against the context, n
 against best_of, stream options, logprobs, min_tokens. The engine's ``SamplingParams`` travel as
 a plain dict (no engine import: the gateway runs without torch).
@@ -16,10 +16,10 @@ from typing import Any, Protocol
 from shared.generation_defaults import GenerationDefaults
 from tokenizer_service.tokenizer import RESERVED_TEMPLATE_KWARGS, ChatTemplateOptions
 
+from ..backend.output import OutputOptions
 from .api_models import (MAX_PROMPTS, SEED_MAX, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
                          Message, SamplingRequest, validate)
 from .errors import APIError, bad_request
-from .output import OutputOptions
 from .structured import structured_spec
 from .tools import ToolCalling, parse_tools
 

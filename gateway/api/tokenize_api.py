@@ -6,7 +6,7 @@
               -> {"count", "max_model_len", "tokens", "token_strs"}
     /detokenize  {"tokens"} -> {"prompt"}
 
-A chat prompt is rendered exactly as /v1/chat/completions renders it (gateway.openai_api).
+A chat prompt is rendered exactly as /v1/chat/completions renders it (gateway.api.openai_api).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .errors import APIError, bad_request
 from .api_models import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, validate
+from .errors import APIError, bad_request
 from .http_common import check_auth, gateway_of, json_response, read_json
 from .openai_api import check_model, normalize_messages, template_options, tokenizer_unavailable
 from .response_models import DetokenizeResponse, TokenizeResponse

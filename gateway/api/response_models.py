@@ -1,6 +1,6 @@
 """The API's response bodies as pydantic models, and ``encode``, through which every body is built:
-a body is validated as its model and serialized by it, so /openapi.json (gateway/openapi.py) and
-the bytes agree. The request models are in gateway/api_models.py.
+a body is validated as its model and serialized by it, so /openapi.json (gateway/api/openapi.py) and
+the bytes agree. The request models are in gateway/api/api_models.py.
 """
 from __future__ import annotations
 

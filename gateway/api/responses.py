@@ -1,5 +1,5 @@
 """Streaming and non-streaming OpenAI responses built from the choices' pieces, each body and chunk
-written through its model in gateway/response_models.py."""
+written through its model in gateway/api/response_models.py."""
 from __future__ import annotations
 
 import asyncio
@@ -7,9 +7,9 @@ import logging
 import math
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from ..backend.generation import SubGeneration
+from ..backend.output import Logprob, Piece
 from .errors import APIError, GenerationError
-from .generation import SubGeneration
-from .output import Logprob, Piece
 from .openai_api import ParsedRequest
 from .response_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse,
                               ErrorResponse, Reply, encode, sse)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
+from ..server_logs import redact_query
 from .errors import APIError
-from .server_logs import redact_query
 
 log = logging.getLogger("kaiten.gateway")
 
