@@ -84,7 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(self.eos_token_ids)
         spec = config.speculative()
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = Speculator(spec, self.max_model_len, config.max_num_batched_tokens) if spec is not None else None
         self.structured = StructuredOutput(config.model, self.vocab_size, self.eos_token_ids)
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
@@ -167,10 +167,14 @@ class LLMEngine:
         last step (aborts included)."""
         self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, []
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.seqs:
+            decoding = all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in batch.seqs)
             outputs.extend(self._run(batch))
             if self.speculator is not None:
+                if decoding:
+                    self.speculator.observe_step(sum(batch.num_new_tokens), time.perf_counter() - start)
                 self.speculator.propose(self.scheduler.running)
         self.step_count += 1
         return outputs

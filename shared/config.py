@@ -67,6 +67,12 @@ class _EnvConfig:
 SPECULATIVE_METHODS = ("ngram",)
 
 
+def _check_method(method) -> None:
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config method {method!r} is not supported (draft-model, EAGLE and suffix "
+                         f"speculation are not implemented); choose one of {', '.join(SPECULATIVE_METHODS)}")
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": 5,
@@ -91,20 +97,19 @@ class SpeculativeConfig:
             return None
         if not isinstance(text, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {text!r:.100}")
+        if "method" not in text:
+            raise ValueError(f"speculative_config needs a 'method' (one of {', '.join(SPECULATIVE_METHODS)})")
+        _check_method(text["method"])          # before the keys: another method's keys are not ours
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(text) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
-        if "method" not in text:
-            raise ValueError(f"speculative_config needs a 'method' (one of {', '.join(SPECULATIVE_METHODS)})")
         config = cls(**text)
         config.validate()
         return config
 
     def validate(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config method {self.method!r} is not supported; "
-                             f"choose one of {', '.join(SPECULATIVE_METHODS)}")
+        _check_method(self.method)
         for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
