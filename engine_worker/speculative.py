@@ -1,4 +1,5 @@
-"""Speculative decoding: propose draft tokens (n-gram prompt lookup), verify them in one step.
+"""Speculative decoding: propose draft tokens (n-gram prompt lookup or a draft model), verify
+them in one step.
 
 A decoding sequence may carry ``spec_token_ids``: k drafts scored with its last token in one
 forward pass (k + 1 query tokens over the paged cache, like a short prefill chunk). Position j's
@@ -7,7 +8,7 @@ min_tokens and the seeded generator's position see them), and the drafts are acc
 first that differs from what was sampled, whose sampled token ends the step's tokens (or the
 bonus token after k accepted drafts).
 
-With a point-mass draft (n-gram lookup) "sample from p, accept while equal" is rejection
+With a point-mass draft (n-gram lookup, a greedy draft model) "sample from p, accept while equal" is rejection
 sampling: a draft d is accepted with probability p(d), and on rejection the token comes from p
 with d removed, renormalised. So the output distribution is the one without speculation, and a
 seeded request, whose noise is a function of (seed, output position), gets the same tokens.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine_worker.sequence import Sequence
 from engine_worker.spec_policy import StepTimes, plan_drafts
-from shared.config import SpeculativeConfig
+from shared.config import EngineConfig, SpeculativeConfig
 
 ACCEPTANCE_EMA = 0.5          # weight of the latest verification in a sequence's acceptance rate
 MIN_ACCEPTANCE = 0.15         # below this a sequence stops proposing (the proposer's work is saved) ...
@@ -27,14 +28,27 @@ BACKOFF_STEPS = 8             # ... for this many decode steps, doubled at each 
 MAX_BACKOFF_STEPS = 256
 
 
-class NgramProposer:
+class PerSequenceProposer:
+    """A proposer that drafts from one sequence's tokens at a time and keeps no state."""
+
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def sync(self, running: list[Sequence]) -> None:
+        pass
+
+    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[list[int]]:
+        return [self.draft(seq.token_ids, k) for seq, k in zip(seqs, counts)]
+
+
+class NgramProposer(PerSequenceProposer):
     """Prompt lookup: find the last n tokens (n from prompt_lookup_max down to _min) earlier in
     the prompt and output, and propose the tokens that followed its latest occurrence."""
 
     def __init__(self, config: SpeculativeConfig):
         self.max_n, self.min_n = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
         if k <= 0:
             return []
         last, best_n, best_end = token_ids[-1], 0, -1
@@ -69,15 +83,22 @@ class SpecStats:
             self.accepted_per_position[j] += 1
 
 
+def make_proposer(config: SpeculativeConfig, engine_config: EngineConfig, vocab_size: int):
+    if config.method == "draft_model":
+        from engine_worker.draft_model import DraftModelProposer
+        return DraftModelProposer(config, engine_config, vocab_size)
+    return NgramProposer(config)
+
+
 class Speculator:
     """Proposes drafts for the running decodes after each step, as many as the measured step
     times and acceptance say pay (``spec_policy``), and accepts verified ones."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int):
+    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int, max_num_batched_tokens: int):
         self.config = config
+        self.proposer = proposer          # propose(seqs, counts) -> drafts; sync(running)
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.proposer = NgramProposer(config)
         self.step_times = StepTimes()
         self.stats = SpecStats()
 
@@ -87,6 +108,7 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Set spec_token_ids of every decoding sequence the plan gives drafts to."""
+        self.proposer.sync(running)
         decoding = [seq for seq in running if seq.num_computed_tokens == seq.num_tokens - 1]
         candidates = []
         for seq in running:
@@ -106,9 +128,11 @@ class Speculator:
         num_tokens = min(sum(seq.num_tokens - seq.num_computed_tokens for seq in running), self.max_num_batched_tokens)
         counts = plan_drafts([seq.spec_acceptance for seq, _ in candidates], [k for _, k in candidates],
                              len(decoding), num_tokens, self.step_times.predict)
-        for (seq, _), n in zip(candidates, counts):
-            if n:
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, n)
+        chosen = [(seq, n) for (seq, _), n in zip(candidates, counts) if n]
+        if chosen:
+            drafts = self.proposer.propose([seq for seq, _ in chosen], [n for _, n in chosen])
+            for (seq, _), d in zip(chosen, drafts):
+                seq.spec_token_ids = d
 
     @staticmethod
     def expand(seqs: list[Sequence]) -> list[Sequence]:

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from engine_worker import SamplingParams
-from engine_worker.speculative import NgramProposer
+from engine_worker.speculative import NgramProposer, PerSequenceProposer
 from shared.config import SpeculativeConfig
 from tests.test_engine import assert_all_blocks_released, expected, greedy, hf_model, make_llm, prompts, run_staggered  # noqa: F401
 
@@ -46,10 +46,10 @@ def assert_drafts_accepted(llm, at_least: int = 1) -> None:
 
 def test_ngram_proposer_takes_the_latest_longest_match():
     p = NgramProposer(SpeculativeConfig(prompt_lookup_max=3, prompt_lookup_min=1))
-    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]     # the 3-gram's latest match
-    assert p.propose([4, 8, 6, 4], 3) == [8, 6, 4]                          # falls back to a 1-gram
-    assert p.propose([1, 2, 3], 3) == []                                    # no match
-    assert p.propose([1, 2, 1], 0) == []
+    assert p.draft([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]     # the 3-gram's latest match
+    assert p.draft([4, 8, 6, 4], 3) == [8, 6, 4]                          # falls back to a 1-gram
+    assert p.draft([1, 2, 3], 3) == []                                    # no match
+    assert p.draft([1, 2, 1], 0) == []
 
 
 def test_ngram_proposer_matches_a_brute_force_search():
@@ -65,12 +65,13 @@ def test_ngram_proposer_matches_a_brute_force_search():
         return []
     for _ in range(500):
         ids = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
-        assert p.propose(ids, 3) == brute(ids, 3), ids
+        assert p.draft(ids, 3) == brute(ids, 3), ids
 
 
 @pytest.mark.parametrize("text, match", [
     ("{", "not valid JSON"), ("[1]", "JSON object"), ('{"num_speculative_tokens": 3}', "needs a 'method'"),
-    ('{"method": "eagle"}', "not supported"), ('{"method": "draft_model", "model": "m"}', "choose one of ngram"), ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
+    ('{"method": "eagle"}', "not supported"), ('{"method": "draft_model"}', "needs a 'model'"),
+    ('{"method": "ngram", "model": "m"}', "unknown keys"), ('{"method": "draft_model", "model": "m", "prompt_lookup_max": 2}', "unknown keys"), ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
     ('{"method": "ngram", "k": 2}', "unknown keys"),
     ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "exceeds")])
 def test_bad_speculative_config_says_what_is_wrong(text, match):
@@ -87,14 +88,14 @@ def test_greedy_matches_hf_with_speculation(tiny_model_dir, prompts, expected, f
     assert_all_blocks_released(llm)
 
 
-class OracleProposer:
+class OracleProposer(PerSequenceProposer):
     """Drafts from the known greedy outputs, one of them wrong on some steps: verification then
     accepts whole drafts, parts of drafts and none, across block boundaries."""
 
     def __init__(self, prompts, outputs):
         self.outputs = {tuple(p): o for p, o in zip(prompts, outputs)}
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
         n = next(n for n in range(len(token_ids), 0, -1) if tuple(token_ids[:n]) in self.outputs)
         drafts = list(self.outputs[tuple(token_ids[:n])][len(token_ids) - n:][:k])
         wrong = len(token_ids) % 7
@@ -117,13 +118,13 @@ def test_long_greedy_outputs_are_identical_with_verified_drafts(tiny_model_dir, 
     assert [c.token_ids for c in again] == off
 
 
-class WrongProposer:
+class WrongProposer(PerSequenceProposer):
     """An open-ended request: every draft differs from the greedy output; counts its calls."""
 
     def __init__(self, prompt: list[int], output: list[int]):
         self.prompt, self.output, self.calls = prompt, output, 0
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
         self.calls += 1
         return [(self.output[len(token_ids) - len(self.prompt)] + 1) % 384] * k
 
@@ -141,13 +142,13 @@ def test_a_request_whose_drafts_are_rejected_stops_proposing(tiny_model_dir, pro
     assert proposer.calls == stats.num_drafts == 8 and stats.num_accepted_tokens == 0, stats
 
 
-class AlwaysProposer:
+class AlwaysProposer(PerSequenceProposer):
     """Proposes token 0 k times, counting its calls."""
 
     def __init__(self):
         self.calls = 0
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
         self.calls += 1
         return [0] * k
 
@@ -221,13 +222,13 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(tiny_model_dir, 
     assert_all_blocks_released(llm)
 
 
-class FixedDraft:
+class FixedDraft(PerSequenceProposer):
     """Proposes, after the first output token t0, the token `drafts[t0]`."""
 
     def __init__(self, prompt_len: int, drafts: dict[int, int]):
         self.prompt_len, self.drafts = prompt_len, drafts
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
         return [self.drafts[token_ids[-1]]] if len(token_ids) == self.prompt_len + 1 and k else []
 
 
@@ -282,3 +283,55 @@ def test_spec_decode_counters_reach_the_engine_metrics(tiny_model_dir, prompts):
     assert f'kaiten:spec_decode_num_drafts_total{{engine="e1",model_name="tiny"}} {st.num_drafts}.0' in text
     assert (f'kaiten:spec_decode_num_accepted_tokens_per_pos_total{{engine="e1",model_name="tiny",position="0"}} '
             f'{st.accepted_per_position[0]}.0') in text
+
+
+@pytest.fixture(scope="module")
+def draft_model_dir(tmp_path_factory):
+    """A second tiny random Llama with the same tokenizer (another seed): it rarely agrees."""
+    from tests.tiny_model import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=7)
+
+
+def draft_llm(model_dir, draft_dir, forward="eager", k=3, **kw):
+    config = json.dumps({"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k})
+    llm = make_llm(model_dir, forward, speculative_config=config, **kw)
+    llm.engine.speculator.step_times = FlatStepTimes()
+    return llm
+
+
+def assert_draft_cache_released(llm):
+    proposer = llm.engine.speculator.proposer
+    proposer.sync([])
+    assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("forward", ["eager", "compiled"])
+def test_greedy_matches_hf_with_the_target_as_its_own_draft(tiny_model_dir, prompts, expected, forward):
+    """The same model drafting agrees with itself: whole drafts are accepted, in staggered mixed
+    batches with chunked prefill, and the draft's cache follows every sequence."""
+    llm = draft_llm(tiny_model_dir, tiny_model_dir, forward, max_num_batched_tokens=24)
+    assert run_staggered(llm, prompts, greedy()) == expected
+    stats = llm.engine.speculator.stats
+    assert stats.accepted_per_position[2] > 0
+    assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
+    assert_all_blocks_released(llm)
+    assert_draft_cache_released(llm)
+
+
+def test_greedy_matches_hf_with_another_draft_model_under_preemption(tiny_model_dir, draft_model_dir, prompts,
+                                                                      expected):
+    cfg_bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
+    llm = draft_llm(tiny_model_dir, draft_model_dir, kv_cache_memory=20 * cfg_bytes_per_block,
+                    max_num_batched_tokens=64)
+    assert run_staggered(llm, prompts, greedy()) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    assert_all_blocks_released(llm)
+    assert_draft_cache_released(llm)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    from tests.tiny_model import build_tiny_model
+    other = build_tiny_model(tmp_path / "other", vocab_size=320)
+    with pytest.raises(ValueError, match="must share the tokenizer"):
+        draft_llm(tiny_model_dir, other)
