@@ -175,10 +175,10 @@ class LLMEngine:
         if batch.seqs:
             decoding = all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in batch.seqs)
             outputs.extend(self._run(batch))
-            if self.speculator is not None:
+            if self.speculator is not None:        # a step's time includes proposing the next drafts
+                self.speculator.propose(self.scheduler.running)
                 if decoding:
                     self.speculator.observe_step(sum(batch.num_new_tokens), time.perf_counter() - start)
-                self.speculator.propose(self.scheduler.running)
         self.step_count += 1
         return outputs
 

@@ -71,7 +71,9 @@ def test_ngram_proposer_matches_a_brute_force_search():
 @pytest.mark.parametrize("text, match", [
     ("{", "not valid JSON"), ("[1]", "JSON object"), ('{"num_speculative_tokens": 3}', "needs a 'method'"),
     ('{"method": "eagle"}', "not supported"), ('{"method": "draft_model"}', "needs a 'model'"),
-    ('{"method": "ngram", "model": "m"}', "unknown keys"), ('{"method": "draft_model", "model": "m", "prompt_lookup_max": 2}', "unknown keys"), ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
+    ('{"method": "ngram", "model": "m"}', "unknown keys"),
+    ('{"method": "draft_model", "model": "m", "prompt_lookup_max": 2}', "unknown keys"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
     ('{"method": "ngram", "k": 2}', "unknown keys"),
     ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "exceeds")])
 def test_bad_speculative_config_says_what_is_wrong(text, match):
@@ -156,7 +158,8 @@ class AlwaysProposer(PerSequenceProposer):
 def test_structured_output_requests_get_no_drafts(tiny_model_dir):
     """The grammar is applied to the sampled token, not to drafts: a constrained request is not
     speculated on, and its output is the one without speculation."""
-    regex = SamplingParams(temperature=0, max_tokens=40, structured_output={"kind": "regex", "value": "[0-9]{3}-[a-z]{2,8}"})
+    regex = SamplingParams(temperature=0, max_tokens=40,
+                           structured_output={"kind": "regex", "value": "[0-9]{3}-[a-z]{2,8}"})
     off = make_llm(tiny_model_dir, "eager").generate(["Hello"], regex)[0]
     proposer = AlwaysProposer()
     on = with_proposer(spec_llm(tiny_model_dir, "eager"), proposer).generate(["Hello"], regex)[0]
@@ -175,8 +178,8 @@ def test_greedy_matches_hf_with_speculation_and_chunked_prefill(tiny_model_dir, 
 
 def test_greedy_matches_hf_with_speculation_under_preemption(tiny_model_dir, prompts, expected):
     cfg_bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
-    llm = with_proposer(spec_llm(tiny_model_dir, kv_cache_memory=20 * cfg_bytes_per_block, max_num_batched_tokens=64),
-                        OracleProposer(prompts, expected))
+    llm = spec_llm(tiny_model_dir, kv_cache_memory=20 * cfg_bytes_per_block, max_num_batched_tokens=64)
+    with_proposer(llm, OracleProposer(prompts, expected))
     assert run_staggered(llm, prompts, greedy()) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert_drafts_accepted(llm)
@@ -318,8 +321,8 @@ def test_greedy_matches_hf_with_the_target_as_its_own_draft(tiny_model_dir, prom
     assert_draft_cache_released(llm)
 
 
-def test_greedy_matches_hf_with_another_draft_model_under_preemption(tiny_model_dir, draft_model_dir, prompts,
-                                                                      expected):
+def test_greedy_matches_hf_with_another_draft_model_under_preemption(tiny_model_dir, draft_model_dir,
+                                                                      prompts, expected):
     cfg_bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
     llm = draft_llm(tiny_model_dir, draft_model_dir, kv_cache_memory=20 * cfg_bytes_per_block,
                     max_num_batched_tokens=64)
