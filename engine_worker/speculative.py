@@ -23,6 +23,7 @@ from engine_worker.spec_policy import StepTimes, plan_drafts
 from shared.config import EngineConfig, SpeculativeConfig
 
 ACCEPTANCE_EMA = 0.5          # weight of the latest verification in a sequence's acceptance rate
+ENGINE_ACCEPTANCE_EMA = 0.05  # ... and in the engine's, a new sequence's first rate
 MIN_ACCEPTANCE = 0.15         # below this a sequence stops proposing (the proposer's work is saved) ...
 BACKOFF_STEPS = 8             # ... for this many decode steps, doubled at each back-off in a row
 MAX_BACKOFF_STEPS = 256
@@ -100,6 +101,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_times = StepTimes()
+        self.acceptance = 0.5             # the engine's acceptance rate, over every sequence's drafts
         self.stats = SpecStats()
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -116,6 +118,9 @@ class Speculator:
         for seq in decoding:
             if seq.grammar is not None:          # its grammar is not applied to drafts
                 continue
+            if seq.spec_acceptance is None:      # new: as the engine's drafts have fared lately
+                seq.spec_acceptance = self.acceptance
+                self._back_off_if_poor(seq)
             if seq.spec_backoff > 0:
                 seq.spec_backoff -= 1
                 continue
@@ -157,6 +162,7 @@ class Speculator:
             self.stats.record(len(drafts), accepted)
             rate = accepted / (accepted + (accepted < len(drafts)))
             seq.spec_acceptance += ACCEPTANCE_EMA * (rate - seq.spec_acceptance)
+            self.acceptance += ENGINE_ACCEPTANCE_EMA * (rate - self.acceptance)
             self._back_off_if_poor(seq)
         return accepted
 

@@ -142,6 +142,20 @@ def test_a_request_whose_drafts_are_rejected_stops_proposing(tiny_model_dir, pro
     assert llm.generate([prompt], greedy(128))[0].token_ids == off
     stats = llm.engine.speculator.stats
     assert proposer.calls == stats.num_drafts == 8 and stats.num_accepted_tokens == 0, stats
+    assert llm.engine.speculator.acceptance < 0.5
+
+
+def test_a_new_request_starts_from_the_engines_acceptance(tiny_model_dir, prompts):
+    """Where the engine's drafts have fared badly lately, a new request backs off before its
+    first proposal (a draft model would otherwise prefill its prompt for nothing)."""
+    proposer = AlwaysProposer()
+    llm = with_proposer(spec_llm(tiny_model_dir), proposer)
+    llm.engine.speculator.acceptance = 0.1
+    llm.generate([prompts[0]], greedy(8))
+    assert proposer.calls == 0
+    llm.engine.speculator.acceptance = 0.5
+    llm.generate([prompts[0]], greedy(8))
+    assert proposer.calls > 0
 
 
 class AlwaysProposer(PerSequenceProposer):
