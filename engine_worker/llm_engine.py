@@ -173,7 +173,8 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.seqs:
-            decoding = all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in batch.seqs)
+            decoding = self.speculator is not None and all(s.num_computed_tokens == s.num_tokens - 1
+                                                           for s in batch.seqs)
             outputs.extend(self._run(batch))
             if self.speculator is not None:        # a step's time includes proposing the next drafts
                 self.speculator.propose(self.scheduler.running)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 GRID_STEPS_PER_DOUBLING = 4     # step times are kept at token counts 2 ** (i / 4), rounded
@@ -53,7 +54,7 @@ class StepTimes:
 
 
 def plan_drafts(rates: list[float], max_drafts: list[int], num_decodes: int, num_tokens: int,
-                step_time) -> list[int]:
+                step_time: Callable[[int], float]) -> list[int]:
     """How many drafts (at most max_drafts[i]) to verify for each sequence whose acceptance rate
     is rates[i], in a step of num_decodes decoding sequences that scores num_tokens tokens
     without drafts; step_time(n) predicts the seconds of a step of n tokens."""
