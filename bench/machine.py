@@ -22,3 +22,18 @@ def load_avg() -> float | None:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return None
+
+
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve")
+
+
+def cpu_flags() -> list[str]:
+    """The vector-instruction flags /proc/cpuinfo lists (those the kernels and oneDNN use)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return [f for f in SIMD_FLAGS if f in present]
+    except OSError:
+        pass
+    return []

@@ -19,7 +19,7 @@ from engine_worker.sampler import Sampler
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler import ScheduledBatch, Scheduler
 from engine_worker.sequence import Sequence
-from engine_worker.speculative import Speculator
+from engine_worker.speculative import Speculator, make_proposer
 from engine_worker.structured_output import StructuredOutput
 from shared.config import EngineConfig
 from shared.protocol import TokenLogprob
@@ -84,7 +84,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(self.eos_token_ids)
         spec = config.speculative()
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = None
+        if spec is not None:
+            self.speculator = Speculator(spec, make_proposer(spec, config, self.vocab_size), self.max_model_len,
+                                         config.max_num_batched_tokens)
         self.structured = StructuredOutput(config.model, self.vocab_size, self.eos_token_ids)
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
@@ -167,11 +170,16 @@ class LLMEngine:
         last step (aborts included)."""
         self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, []
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.seqs:
+            decoding = self.speculator is not None and all(s.num_computed_tokens == s.num_tokens - 1
+                                                           for s in batch.seqs)
             outputs.extend(self._run(batch))
-            if self.speculator is not None:
+            if self.speculator is not None:        # a step's time includes proposing the next drafts
                 self.speculator.propose(self.scheduler.running)
+                if decoding:
+                    self.speculator.observe_step(sum(batch.num_new_tokens), time.perf_counter() - start)
         self.step_count += 1
         return outputs
 

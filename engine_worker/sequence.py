@@ -37,8 +37,9 @@ class Sequence:
     grammar: Any = None                  # xgrammar.GrammarMatcher of a structured-output request
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # of prompt tokens 1, 2, ...
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify after token_ids
-    spec_acceptance: float = 1.0         # average share of its drafts accepted (speculative.py)
+    spec_acceptance: float | None = None  # moving average of its drafts' acceptance (speculative.py)
     spec_backoff: int = 0                # decode steps left without proposals
+    spec_num_backoffs: int = 0           # back-offs in a row (each one twice as long)
     # Engine-clock event times (time.time()); other processes' clocks are not comparable.
     queued_time: float = field(default_factory=time.time)
     scheduled_time: float = 0.0

@@ -1,4 +1,5 @@
-"""Speculative decoding: propose draft tokens (n-gram prompt lookup), verify them in one step.
+"""Speculative decoding: propose draft tokens (n-gram prompt lookup or a draft model), verify
+them in one step.
 
 A decoding sequence may carry ``spec_token_ids``: k drafts scored with its last token in one
 forward pass (k + 1 query tokens over the paged cache, like a short prefill chunk). Position j's
@@ -7,7 +8,7 @@ min_tokens and the seeded generator's position see them), and the drafts are acc
 first that differs from what was sampled, whose sampled token ends the step's tokens (or the
 bonus token after k accepted drafts).
 
-With a point-mass draft (n-gram lookup) "sample from p, accept while equal" is rejection
+With a point-mass draft (n-gram lookup, a greedy draft model) "sample from p, accept while equal" is rejection
 sampling: a draft d is accepted with probability p(d), and on rejection the token comes from p
 with d removed, renormalised. So the output distribution is the one without speculation, and a
 seeded request, whose noise is a function of (seed, output position), gets the same tokens.
@@ -17,34 +18,52 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from engine_worker.sequence import Sequence
-from shared.config import SpeculativeConfig
+from engine_worker.spec_policy import StepTimes, plan_drafts
+from shared.config import EngineConfig, SpeculativeConfig
 
-ACCEPTANCE_EMA = 0.3          # weight of the latest step in a sequence's acceptance average
-MIN_ACCEPTANCE = 0.15         # below this (drafts accepted per draft proposed) a sequence backs off
-BACKOFF_STEPS = 8             # decode steps without proposals before a sequence probes again
+ACCEPTANCE_EMA = 0.5          # weight of the latest verification in a sequence's acceptance rate
+ENGINE_ACCEPTANCE_EMA = 0.05  # ... and in the engine's, a new sequence's first rate
+MIN_ACCEPTANCE = 0.15         # below this a sequence stops proposing (the proposer's work is saved) ...
+BACKOFF_STEPS = 8             # ... for this many decode steps, doubled at each back-off in a row
+MAX_BACKOFF_STEPS = 256
 
 
-class NgramProposer:
+class PerSequenceProposer:
+    """A proposer that drafts from one sequence's tokens at a time and keeps no state."""
+
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def sync(self, running: list[Sequence]) -> None:
+        pass
+
+    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[list[int]]:
+        return [self.draft(seq.token_ids, k) for seq, k in zip(seqs, counts)]
+
+
+class NgramProposer(PerSequenceProposer):
     """Prompt lookup: find the last n tokens (n from prompt_lookup_max down to _min) earlier in
     the prompt and output, and propose the tokens that followed its latest occurrence."""
 
     def __init__(self, config: SpeculativeConfig):
         self.max_n, self.min_n = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        if k <= 0 or len(token_ids) <= self.min_n:
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
+        if k <= 0:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
-        return []
+        last, best_n, best_end = token_ids[-1], 0, -1
+        for end in range(len(token_ids) - 2, -1, -1):       # latest first: a tie keeps the latest
+            if token_ids[end] != last:
+                continue
+            n = 1
+            while n < self.max_n and n <= end and token_ids[end - n] == token_ids[-1 - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_end = n, end
+                if n == self.max_n:
+                    break
+        return token_ids[best_end + 1:best_end + 1 + k] if best_n >= self.min_n else []
 
 
 @dataclass(slots=True)
@@ -65,27 +84,60 @@ class SpecStats:
             self.accepted_per_position[j] += 1
 
 
-class Speculator:
-    """Proposes drafts for the running decodes after each step and accepts verified ones."""
+def make_proposer(config: SpeculativeConfig, engine_config: EngineConfig, vocab_size: int):
+    if config.method == "draft_model":
+        from engine_worker.draft_model import DraftModelProposer
+        return DraftModelProposer(config, engine_config, vocab_size)
+    return NgramProposer(config)
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+
+class Speculator:
+    """Proposes drafts for the running decodes after each step, as many as the measured step
+    times and acceptance say pay (``spec_policy``), and accepts verified ones."""
+
+    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int, max_num_batched_tokens: int):
         self.config = config
+        self.proposer = proposer          # propose(seqs, counts) -> drafts; sync(running)
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_times = StepTimes()
+        self.acceptance = 0.5             # the engine's acceptance rate, over every sequence's drafts
         self.stats = SpecStats()
 
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step that scored num_tokens tokens, all of them decodes and drafts, took `seconds`."""
+        self.step_times.observe(num_tokens, seconds)
+
     def propose(self, running: list[Sequence]) -> None:
-        """Set spec_token_ids of every decoding sequence that speculation may help."""
+        """Set spec_token_ids of every decoding sequence the plan gives drafts to."""
+        self.proposer.sync(running)
+        decoding = [seq for seq in running if seq.num_computed_tokens == seq.num_tokens - 1]
+        candidates = []
         for seq in running:
             seq.spec_token_ids = []
-            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None:
+        for seq in decoding:
+            if seq.grammar is not None:          # its grammar is not applied to drafts
                 continue
+            if seq.spec_acceptance is None:      # new: as the engine's drafts have fared lately
+                seq.spec_acceptance = self.acceptance
+                self._back_off_if_poor(seq)
             if seq.spec_backoff > 0:
                 seq.spec_backoff -= 1
                 continue
             k = min(self.config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids, k)
+            if k > 0:
+                candidates.append((seq, k))
+        if not candidates:
+            return
+        num_tokens = min(sum(seq.num_tokens - seq.num_computed_tokens for seq in running), self.max_num_batched_tokens)
+        counts = plan_drafts([seq.spec_acceptance for seq, _ in candidates], [k for _, k in candidates],
+                             len(decoding), num_tokens, self.step_times.predict)
+        chosen = [(seq, n) for (seq, _), n in zip(candidates, counts) if n]
+        if chosen:
+            drafts = self.proposer.propose([seq for seq, _ in chosen], [n for _, n in chosen])
+            for (seq, _), d in zip(chosen, drafts):
+                seq.spec_token_ids = d
 
     @staticmethod
     def expand(seqs: list[Sequence]) -> list[Sequence]:
@@ -100,15 +152,26 @@ class Speculator:
 
     def accept(self, seq: Sequence, sampled: list[int]) -> int:
         """How many of seq's drafts `sampled` (its k + 1 rows' tokens) confirms; updates the
-        sequence's acceptance average and the counters."""
+        sequence's acceptance rate (accepted drafts per draft tested: the first rejected one is
+        tested, those after it are not) and the counters."""
         drafts = seq.spec_token_ids
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
             accepted += 1
         if drafts:
             self.stats.record(len(drafts), accepted)
-            rate = accepted / len(drafts)
-            seq.spec_acceptance = (1 - ACCEPTANCE_EMA) * seq.spec_acceptance + ACCEPTANCE_EMA * rate
-            if seq.spec_acceptance < MIN_ACCEPTANCE:
-                seq.spec_backoff, seq.spec_acceptance = BACKOFF_STEPS, MIN_ACCEPTANCE * 2
+            rate = accepted / (accepted + (accepted < len(drafts)))
+            seq.spec_acceptance += ACCEPTANCE_EMA * (rate - seq.spec_acceptance)
+            self.acceptance += ENGINE_ACCEPTANCE_EMA * (rate - self.acceptance)
+            self._back_off_if_poor(seq)
         return accepted
+
+    @staticmethod
+    def _back_off_if_poor(seq: Sequence) -> None:
+        if seq.spec_acceptance > 2 * MIN_ACCEPTANCE:        # recovered: the next back-off is short again
+            seq.spec_num_backoffs = 0
+        if seq.spec_acceptance >= MIN_ACCEPTANCE:
+            return
+        seq.spec_backoff = min(BACKOFF_STEPS << seq.spec_num_backoffs, MAX_BACKOFF_STEPS)
+        seq.spec_num_backoffs += 1
+        seq.spec_acceptance = 2 * MIN_ACCEPTANCE        # the rate it probes with when the back-off ends
