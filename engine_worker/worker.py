@@ -47,7 +47,7 @@ from engine_worker.janitor import Janitor
 from engine_worker.metrics import EngineMetrics
 from engine_worker.orphan_watch import OrphanWatch
 from engine_worker.publisher import Outgoing, Publisher
-from engine_worker.sampling_params import SamplingParams
+from engine_worker.engine.sampling_params import SamplingParams
 from engine_worker.stream_reader import AbortReader, RequestReader
 from engine_worker.worker_stats import Counters, LatencyStats
 from shared import names
@@ -70,7 +70,7 @@ class EngineWorker:
         self.cfg = cfg = worker_config
         self.engine_config = engine_config
         if engine is None:
-            from engine_worker.llm_engine import LLMEngine
+            from engine_worker.engine.llm_engine import LLMEngine
             engine = LLMEngine(engine_config)
         self.engine = engine
         self.explicit_id = bool(cfg.engine_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_worker.spec_policy import StepTimes, grid_point, plan_drafts
+from engine_worker.engine.spec_policy import StepTimes, grid_point, plan_drafts
 
 
 def memory_bound(n: int) -> float:

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from engine_worker import SamplingParams
-from engine_worker.speculative import NgramProposer, PerSequenceProposer
+from engine_worker.engine.speculative import NgramProposer, PerSequenceProposer
 from shared.config import SpeculativeConfig
 from tests.test_engine import assert_all_blocks_released, expected, greedy, hf_model, make_llm, prompts, run_staggered  # noqa: F401
 

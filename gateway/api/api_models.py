@@ -19,7 +19,7 @@ from .errors import APIError, bad_request
 
 log = logging.getLogger("kaiten.gateway")
 
-MAX_LOGPROBS = 20             # engine_worker.sampling_params.MAX_LOGPROBS
+MAX_LOGPROBS = 20             # engine_worker.engine.sampling_params.MAX_LOGPROBS
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 1024
 MAX_PROMPTS = 64              # completions: a batch of prompts in one request

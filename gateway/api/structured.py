@@ -1,6 +1,6 @@
 """Structured-output requests: OpenAI ``response_format`` and vLLM's ``structured_outputs`` extras,
 checked here and turned into the engine's ``structured_output`` spec ``{"kind", "value"}``
-(see engine_worker/structured_output.py).
+(see engine_worker/engine/structured_output.py).
 
     response_format     {"type": "text"} | {"type": "json_object"}
                         | {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}
@@ -21,7 +21,7 @@ from .errors import bad_request
 from .api_models import SamplingRequest, StructuredOutputs
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-MAX_SPEC_CHARS = 1 << 20          # engine_worker.structured_output.MAX_SPEC_CHARS
+MAX_SPEC_CHARS = 1 << 20          # engine_worker.engine.structured_output.MAX_SPEC_CHARS
 
 
 def structured_spec(req: SamplingRequest) -> dict | None:

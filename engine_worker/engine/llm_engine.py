@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine_worker.block_manager import BlockManager
-from engine_worker.model_runner import ModelRunner
-from engine_worker.sampler import Sampler
-from engine_worker.sampling_params import SamplingParams
-from engine_worker.scheduler import ScheduledBatch, Scheduler
-from engine_worker.sequence import Sequence
-from engine_worker.speculative import Speculator, make_proposer
-from engine_worker.structured_output import StructuredOutput
+from engine_worker.engine.block_manager import BlockManager
+from engine_worker.model.model_runner import ModelRunner
+from engine_worker.engine.sampler import Sampler
+from engine_worker.engine.sampling_params import SamplingParams
+from engine_worker.engine.scheduler import ScheduledBatch, Scheduler
+from engine_worker.engine.sequence import Sequence
+from engine_worker.engine.speculative import Speculator, make_proposer
+from engine_worker.engine.structured_output import StructuredOutput
 from shared.config import EngineConfig
 from shared.protocol import TokenLogprob
 

@@ -8,8 +8,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from engine_worker.llm_engine import LLMEngine, RequestOutput
-from engine_worker.sampling_params import SamplingParams
+from engine_worker.engine.llm_engine import LLMEngine, RequestOutput
+from engine_worker.engine.sampling_params import SamplingParams
 from shared.config import EngineConfig
 
 

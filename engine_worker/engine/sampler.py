@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_worker.sequence import Sequence
+from engine_worker.engine.sequence import Sequence
 from shared.protocol import TokenLogprob
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from engine_worker.sequence import Sequence
+from engine_worker.engine.sequence import Sequence
 from shared.block_hash import ROOT, block_hash
 
 NO_HASH = -1

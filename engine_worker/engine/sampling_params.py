@@ -21,7 +21,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # in [-2, 2]
     repetition_penalty: float = 1.0   # > 0; 1 is off (HF/vLLM: prompt and output tokens' logits)
     logprobs: int | None = None       # None: none; N: the sampled token's logprob plus the top N
-    structured_output: dict | None = None   # {"kind", "value"}: see engine_worker/structured_output.py
+    structured_output: dict | None = None   # {"kind", "value"}: see engine_worker/engine/structured_output.py
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob (and rank) plus the top N
     # [token id, bias] pairs (a list: msgpack maps take string keys only), added to the logits.
     logit_bias: list[list[float]] = field(default_factory=list)
@@ -59,7 +59,7 @@ class SamplingParams:
         if not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers")
         if self.structured_output is not None:
-            from engine_worker.structured_output import validate_spec
+            from engine_worker.engine.structured_output import validate_spec
             validate_spec(self.structured_output)
 
     def _validate_logit_bias(self) -> None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from engine_worker.sequence import Sequence
-from engine_worker.spec_policy import StepTimes, plan_drafts
+from engine_worker.engine.sequence import Sequence
+from engine_worker.engine.spec_policy import StepTimes, plan_drafts
 from shared.config import EngineConfig, SpeculativeConfig
 
 ACCEPTANCE_EMA = 0.5          # weight of the latest verification in a sequence's acceptance rate
@@ -86,7 +86,7 @@ class SpecStats:
 
 def make_proposer(config: SpeculativeConfig, engine_config: EngineConfig, vocab_size: int):
     if config.method == "draft_model":
-        from engine_worker.draft_model import DraftModelProposer
+        from engine_worker.engine.draft_model import DraftModelProposer
         return DraftModelProposer(config, engine_config, vocab_size)
     return NgramProposer(config)
 

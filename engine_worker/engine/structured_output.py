@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine_worker.sequence import Sequence
+from engine_worker.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

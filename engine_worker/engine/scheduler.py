@@ -11,8 +11,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine_worker.block_manager import BlockManager
-from engine_worker.sequence import Sequence, SequenceStatus
+from engine_worker.engine.block_manager import BlockManager
+from engine_worker.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

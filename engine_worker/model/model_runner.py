@@ -6,11 +6,11 @@ import logging
 import numpy as np
 import torch
 
-from engine_worker.compiled_forward import CompiledForward
-from engine_worker.cuda_graphs import DecodeGraphRunner
-from engine_worker.host_memory import zeros_on_huge_pages
-from engine_worker.llama import LlamaForCausalLM, ModelConfig, PackedLinear, cpu_has_native_bf16
-from engine_worker.scheduler import ScheduledBatch
+from engine_worker.model.compiled_forward import CompiledForward
+from engine_worker.model.cuda_graphs import DecodeGraphRunner
+from engine_worker.model.host_memory import zeros_on_huge_pages
+from engine_worker.model.llama import LlamaForCausalLM, ModelConfig, PackedLinear, cpu_has_native_bf16
+from engine_worker.engine.scheduler import ScheduledBatch
 from kernels.interface import AttentionMetadata, get_attention_backend
 from shared.config import EngineConfig, parse_memory
 

@@ -8,10 +8,10 @@ stays valid up to the sequence's last token but one; a rejected draft's entries 
 """
 from __future__ import annotations
 
-from engine_worker.block_manager import BlockManager
-from engine_worker.model_runner import ModelRunner
-from engine_worker.scheduler import ScheduledBatch
-from engine_worker.sequence import Sequence
+from engine_worker.engine.block_manager import BlockManager
+from engine_worker.model.model_runner import ModelRunner
+from engine_worker.engine.scheduler import ScheduledBatch
+from engine_worker.engine.sequence import Sequence
 from shared.config import EngineConfig, SpeculativeConfig
 
 

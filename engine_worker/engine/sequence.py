@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine_worker.sampling_params import SamplingParams
+from engine_worker.engine.sampling_params import SamplingParams
 from shared.protocol import TokenLogprob
 
 
