@@ -6,8 +6,11 @@ tokens, estimated from many seeds, is the one without speculation."""
 from __future__ import annotations
 
 import json
+import re
 
+import jsonschema
 import pytest
+from transformers import AutoTokenizer
 
 from engine_worker import SamplingParams
 from engine_worker.engine.speculative import NgramProposer, PerSequenceProposer
@@ -16,6 +19,7 @@ from tests.test_engine import assert_all_blocks_released, expected, greedy, hf_m
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
 LONG = 64
+EOS = 2                    # the tiny model's
 
 
 def spec_llm(model_dir, forward="compiled", **kw):
@@ -169,16 +173,77 @@ class AlwaysProposer(PerSequenceProposer):
         return [0] * k
 
 
-def test_structured_output_requests_get_no_drafts(tiny_model_dir):
-    """The grammar is applied to the sampled token, not to drafts: a constrained request is not
-    speculated on, and its output is the one without speculation."""
-    regex = SamplingParams(temperature=0, max_tokens=40,
-                           structured_output={"kind": "regex", "value": "[0-9]{3}-[a-z]{2,8}"})
-    off = make_llm(tiny_model_dir, "eager").generate(["Hello"], regex)[0]
-    proposer = AlwaysProposer()
-    on = with_proposer(spec_llm(tiny_model_dir, "eager"), proposer).generate(["Hello"], regex)[0]
-    assert on.token_ids == off.token_ids and len(on.token_ids) > 4
-    assert proposer.calls == 0
+REGEX = "[0-9]{3}-[a-z]{2,8}"
+CHOICES = ["yes", "no"]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+
+
+def constrained(kind: str, value, **kw) -> SamplingParams:
+    return SamplingParams(**({"temperature": 0, "max_tokens": 40} | kw),
+                          structured_output={"kind": kind, "value": value})
+
+
+def assert_valid(outs) -> None:
+    """outs: the outputs of a json (SCHEMA), a regex (REGEX) and a choice (CHOICES) request."""
+    assert all(o.finish_reason == "stop" for o in outs), [(o.text, o.finish_reason) for o in outs]
+    jsonschema.validate(json.loads(outs[0].text), SCHEMA)
+    assert re.fullmatch(REGEX, outs[1].text) and outs[2].text in CHOICES
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_constrained_outputs_are_identical_with_verified_drafts(tiny_model_dir, prompts, seeded):
+    """The grammar masks every scored position (each draft's and the bonus token's): greedy and
+    seeded outputs are those without speculation, whether the oracle's wrong drafts are cut by
+    the grammar or rejected by verification."""
+    sampling = {"temperature": 0.9, "seed": 7} if seeded else {}
+    params = [constrained("json", json.dumps(SCHEMA), **sampling), constrained("regex", REGEX, **sampling),
+              constrained("choice", CHOICES, **sampling)]
+    off = make_llm(tiny_model_dir, "eager").generate(prompts[:3], params)
+    llm = with_proposer(spec_llm(tiny_model_dir, "eager"), OracleProposer(prompts[:3], [o.token_ids for o in off]))
+    on = llm.generate(prompts[:3], params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert_valid(on)
+    assert_drafts_accepted(llm, at_least=4)
+    assert_all_blocks_released(llm)
+
+
+class RightThenInvalid(PerSequenceProposer):
+    """The greedy continuation's first k - 1 tokens, then `invalid`, a token the grammar never allows."""
+
+    def __init__(self, prompt: list[int], output: list[int], invalid: int):
+        self.prompt, self.output, self.invalid = prompt, output, invalid
+
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
+        done = len(token_ids) - len(self.prompt)
+        return self.output[done:done + k - 1] + [self.invalid]
+
+
+def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(tiny_model_dir, prompts):
+    """Only the drafts before the invalid token are scored, and they are all accepted."""
+    params = constrained("regex", REGEX)
+    off = make_llm(tiny_model_dir, "eager").generate([prompts[0]], params)[0].token_ids
+    invalid = AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids("Z")
+    llm = with_proposer(spec_llm(tiny_model_dir, "eager"), RightThenInvalid(prompts[0], off, invalid))
+    out = llm.generate([prompts[0]], params)[0]
+    assert out.token_ids == off and re.fullmatch(REGEX, out.text)
+    stats = llm.engine.speculator.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0, stats
+
+
+def test_a_draft_that_completes_the_grammar_ends_the_request(tiny_model_dir, prompts):
+    """The oracle drafts the whole answer, its stop token and junk after it: the junk is cut, one
+    verification accepts every draft, the stop token ends the request as without speculation."""
+    params = constrained("choice", CHOICES)
+    off = make_llm(tiny_model_dir, "eager").generate([prompts[0]], params)[0]
+    assert off.token_ids[-1] == EOS and 2 <= len(off.token_ids) <= 5
+    llm = with_proposer(spec_llm(tiny_model_dir, "eager"), RightThenInvalid(prompts[0], off.token_ids + [5] * 4, 5))
+    out = llm.generate([prompts[0]], params)[0]
+    assert (out.token_ids, out.finish_reason) == (off.token_ids, "stop")
+    stats = llm.engine.speculator.stats
+    assert stats.num_drafts == 1 and stats.num_accepted_tokens == stats.num_draft_tokens == len(off.token_ids) - 1
+    assert_all_blocks_released(llm)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

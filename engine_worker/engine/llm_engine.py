@@ -209,36 +209,39 @@ class LLMEngine:
         if not rows:
             return []
         seqs = [batch.seqs[i] for i in rows]
+        self.structured.apply_bitmasks(logits, seqs)
         scored = Speculator.expand(seqs) if len(logits) > len(seqs) else seqs
-        self.structured.apply_bitmasks(logits, scored)
         sampled = self.sampler(logits, scored)
-        starts = np.cumsum([0] + counts)
-        grammar_states = self.structured.accept(seqs, [sampled.token_ids[i] for i in starts[:-1]])
-        outputs = []
+        verified = []              # (first row, tokens verified: the accepted drafts and the one after them)
+        for seq, start, count in zip(seqs, np.cumsum([0] + counts), counts):
+            accepted = self.speculator.accept(seq, sampled.token_ids[start:start + count]) if count > 1 else 0
+            verified.append((start, accepted + 1))
+        grammar = self.structured.accept(seqs, [sampled.token_ids[start:start + n] for start, n in verified])
         now = time.time()
-        for seq, start, count, state in zip(seqs, starts, counts, grammar_states):
-            tokens, logprobs = sampled.token_ids[start:start + count], sampled.logprobs[start:start + count]
-            if count > 1:
-                accepted = self.speculator.accept(seq, tokens)
-                tokens, logprobs = tokens[:accepted + 1], logprobs[:accepted + 1]
-            outputs.append(self._append(seq, tokens, logprobs, state, now))
-        return outputs
+        return [self._append(seq, sampled.token_ids[start:start + n], sampled.logprobs[start:start + n], g, now)
+                for seq, (start, n), g in zip(seqs, verified, grammar)]
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list, state, now: float) -> RequestOutput:
-        """Add a step's verified tokens to `seq` up to the first that finishes it; release the
-        blocks only rejected drafts used, and cache the blocks the accepted drafts filled."""
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list, grammar: tuple[int, str | None],
+                now: float) -> RequestOutput:
+        """Add a step's verified tokens to `seq` up to the first that finishes it (`grammar`: its
+        matcher's (n, state), see StructuredOutput.accept); release the blocks only rejected
+        drafts used, and cache the blocks the accepted drafts filled."""
         num_drafts, seq.spec_token_ids = len(tokens) - 1, []
         if not seq.first_token_time:
             seq.first_token_time = now
-        error = state if state not in (None, "terminated") else None
+        end, state = grammar
         reason = None
         kept = 0
         for token in tokens:
             seq.token_ids.append(token)
             kept += 1
-            reason = "error" if error else "stop" if state == "terminated" else self._stop_reason(seq, token)
+            if state is not None and kept == end:
+                reason = "stop" if state == "terminated" else "error"
+            else:
+                reason = self._stop_reason(seq, token)
             if reason:
                 break
+        error = state if reason == "error" else None
         if num_drafts:
             seq.num_computed_tokens += min(num_drafts, kept)
             self.block_manager.cache_full_blocks(seq)

@@ -12,6 +12,8 @@ With a point-mass draft (n-gram lookup, a greedy draft model) "sample from p, ac
 sampling: a draft d is accepted with probability p(d), and on rejection the token comes from p
 with d removed, renormalised. So the output distribution is the one without speculation, and a
 seeded request, whose noise is a function of (seed, output position), gets the same tokens.
+A structured-output request's drafts are cut to the prefix its grammar allows, and every scored
+position is masked by its grammar (``structured_output``): the same holds for it.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from engine_worker.engine.sequence import Sequence
 from engine_worker.engine.spec_policy import StepTimes, plan_drafts
+from engine_worker.engine.structured_output import grammar_prefix
 from shared.config import EngineConfig, SpeculativeConfig
 
 ACCEPTANCE_EMA = 0.5          # weight of the latest verification in a sequence's acceptance rate
@@ -116,8 +119,6 @@ class Speculator:
         for seq in running:
             seq.spec_token_ids = []
         for seq in decoding:
-            if seq.grammar is not None:          # its grammar is not applied to drafts
-                continue
             if seq.spec_acceptance is None:      # new: as the engine's drafts have fared lately
                 seq.spec_acceptance = self.acceptance
                 self._back_off_if_poor(seq)
@@ -137,7 +138,7 @@ class Speculator:
         if chosen:
             drafts = self.proposer.propose([seq for seq, _ in chosen], [n for _, n in chosen])
             for (seq, _), d in zip(chosen, drafts):
-                seq.spec_token_ids = d
+                seq.spec_token_ids = d if seq.grammar is None else grammar_prefix(seq.grammar, d)
 
     @staticmethod
     def expand(seqs: list[Sequence]) -> list[Sequence]:

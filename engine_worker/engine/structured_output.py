@@ -16,11 +16,15 @@ The life of a constrained request in the engine:
    request waits here, outside the scheduler; a grammar that does not compile fails the request.
 2. ``take_ready``: each step, the requests whose grammar is ready get a matcher and go on to the
    scheduler; failures come back with their error text.
-3. ``apply_bitmasks``: once per step, one bitmask for the constrained rows, applied in place to
-   the logits before sampling (free rows are not touched; a batch without constrained rows costs
-   one Python check).
-4. ``accept``: the matchers advance on the sampled tokens; a matcher that terminates (its grammar
-   is complete and a stop token was sampled) ends its request.
+3. ``grammar_prefix``: a constrained request's drafts (speculative decoding) are cut at the first
+   the grammar rejects, or after the one that completes it, before they are scheduled.
+4. ``apply_bitmasks``: once per step, one bitmask for the constrained rows, applied in place to
+   the logits before sampling: a sequence with k drafts has k + 1 rows, each masked by the state
+   its matcher reaches over the drafts before it (accepted, then rolled back). Free rows are not
+   touched; a batch without constrained rows costs one Python check.
+5. ``accept``: the matchers advance on the verified tokens (accepted drafts and the token after
+   them); a matcher that terminates (its grammar is complete and a stop token was taken) ends its
+   request at that token.
 """
 from __future__ import annotations
 
@@ -186,30 +190,26 @@ class StructuredOutput:
 
     # ---- the step ------------------------------------------------------------------------------
     def apply_bitmasks(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Mask, in place, every token the grammar of a constrained row does not allow next."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not rows:
+        """Mask, in place, every token the grammar of a constrained sequence does not allow next,
+        at each of its scored positions: a sequence has 1 + len(drafts) rows in a row, row j the
+        position after drafts[:j] (free rows are not touched)."""
+        if all(s.grammar is None for s in seqs):
             return
         import xgrammar
-        bitmask = self._bitmask_for(len(seqs))
-        for i in rows:
-            seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask[:len(seqs)].to(logits.device, non_blocking=True),
+        bitmask = self._bitmask_for(len(logits))
+        rows, row = [], 0
+        for seq in seqs:
+            if seq.grammar is not None:
+                rows += _fill_bitmasks(seq.grammar, seq.spec_token_ids, bitmask, row)
+            row += 1 + len(seq.spec_token_ids)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask[:len(logits)].to(logits.device, non_blocking=True),
                                              vocab_size=self.vocab_size, indices=rows)
 
-    def accept(self, seqs: list[Sequence], tokens: list[int]) -> list[str | None]:
-        """Advance each constrained row's matcher on its sampled token. Per row: None (free, or
-        the grammar goes on), "terminated" (the grammar is complete) or an error text."""
-        out: list[str | None] = [None] * len(seqs)
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            m = seq.grammar
-            if m is None:
-                continue
-            if not m.accept_token(token):
-                out[i] = f"the grammar rejected token {token} (no allowed token was left)"
-            elif m.is_terminated():
-                out[i] = "terminated"
-        return out
+    def accept(self, seqs: list[Sequence], tokens: list[list[int]]) -> list[tuple[int, str | None]]:
+        """Advance each constrained sequence's matcher on its verified tokens. Per sequence: (n,
+        state), state None (free, or the grammar goes on: all n tokens taken), "terminated" (the
+        n-th token completes the grammar) or an error text (the grammar rejects the n-th token)."""
+        return [(len(t), None) if s.grammar is None else _advance(s.grammar, t) for s, t in zip(seqs, tokens)]
 
     def _bitmask_for(self, rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:
@@ -220,6 +220,44 @@ class StructuredOutput:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def grammar_prefix(matcher, drafts: list[int]) -> list[int]:
+    """`drafts` up to the first the grammar rejects, or through the one that completes it; the
+    matcher is left as it was."""
+    n = 0
+    for token in drafts:
+        if not matcher.accept_token(token):
+            break
+        n += 1
+        if matcher.is_terminated():
+            break
+    matcher.rollback(n)
+    return drafts[:n]
+
+
+def _fill_bitmasks(matcher, drafts: list[int], bitmask: torch.Tensor, row: int) -> list[int]:
+    """Fill the rows `row`.. of the positions after each prefix of `drafts` (a grammar_prefix) and
+    return them: all but the row after a draft that completes the grammar, whose token is never kept."""
+    matcher.fill_next_token_bitmask(bitmask, row)
+    rows = [row]
+    for j, token in enumerate(drafts, 1):
+        matcher.accept_token(token)
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, row + j)
+        rows.append(row + j)
+    matcher.rollback(len(drafts))
+    return rows
+
+
+def _advance(matcher, tokens: list[int]) -> tuple[int, str | None]:
+    for n, token in enumerate(tokens, 1):
+        if not matcher.accept_token(token):
+            return n, f"the grammar rejected token {token} (no allowed token was left)"
+        if matcher.is_terminated():
+            return n, "terminated"
+    return len(tokens), None
 
 
 def _compile_error(spec: dict, e: Exception) -> str:
