@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_name, load_avg  # noqa: E402
 from bench.timing import median_ms  # noqa: E402
-from engine_worker.llama import PackedLinear  # noqa: E402
+from engine_worker.model.llama import PackedLinear  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]   # (out, in)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_name, load_avg  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
-from engine_worker.model_runner import resolve_dtype  # noqa: E402
+from engine_worker.model.model_runner import resolve_dtype  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -24,11 +24,17 @@ def load_avg() -> float | None:
         return None
 
 
-def cpu_flags(names: tuple[str, ...]) -> str:
-    """Which of the /proc/cpuinfo flags `names` this CPU has, space-separated."""
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+def cpu_flags() -> list[str]:
+    """The vector-instruction flags /proc/cpuinfo lists (those the kernels and oneDNN use)."""
     try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
-    have = set(line.split(":", 1)[1].split())
-    return " ".join(f for f in names if f in have)
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return [f for f in SIMD_FLAGS if f in present]
+    except OSError:
+        pass
+    return []

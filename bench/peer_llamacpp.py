@@ -29,7 +29,6 @@ from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
 from shared.launcher import free_port  # noqa: E402
 
 LLAMA_PEER = ROOT.parent / "shared" / "peers" / "llama-cpp.sh"
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
 
 
 def gguf_path(peer: Path, kind: str) -> str:
@@ -53,7 +52,7 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     subprocess.run(["bash", args.peer, "setup"], check=True, capture_output=True)
     subprocess.run(["bash", args.llama_peer, "setup"], check=True, capture_output=True)
-    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": cpu_flags(FLAGS), "load_avg_before": load_avg(),
+    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": " ".join(cpu_flags()), "load_avg_before": load_avg(),
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
               "num_prompts_single": args.num_prompts_single, "files": {}}
     for kind in args.files.split(","):

@@ -179,7 +179,7 @@ def cpu_info() -> tuple[str, list[str]]:
 
 def serving_dtype() -> str:
     import torch
-    from engine_worker.model_runner import resolve_dtype
+    from engine_worker.model.model_runner import resolve_dtype
     return "bfloat16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "float32"
 
 

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_name, load_avg  # noqa: E402
-from engine_worker.llama import PackedLinear  # noqa: E402
-from engine_worker.quant_layers import QuantLinear  # noqa: E402
+from engine_worker.model.llama import PackedLinear  # noqa: E402
+from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
 from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
 from shared.gguf_quant import repack  # noqa: E402
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.failover import Stack, fresh_heartbeats, wait_heartbeat  # noqa: E402
-from bench.machine import cpu_name, load_avg  # noqa: E402
+from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 WORDS = ("the river ledger harbor quiet signal amber north engine garden copper lantern winter market orbit "
@@ -177,15 +177,6 @@ def run_one(n: int, policy: str, args) -> Run:
     return run
 
 
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
-    keep = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "avx_vnni")
-    return " ".join(f for f in flags.split(":", 1)[1].split() if f in keep)
-
-
 def render(rep: dict) -> str:
     runs = [Run(**r) for r in rep["runs"]]
     base = {r.policy: r.computed for r in runs if r.engines == 1}
@@ -250,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or RESULTS / ("routing.quick" if args.quick else "routing"))
     cmd = "python bench/routing.py " + " ".join(sys.argv[1:] if argv is None else argv)
     rep = {"command": cmd.strip(), "model": Path(args.model).name, "dtype": args.dtype, "cpu": cpu_name(),
-           "flags": cpu_flags(), "cores": os.cpu_count(), "load_avg_before": load_avg(),
+           "flags": " ".join(cpu_flags()), "cores": os.cpu_count(), "load_avg_before": load_avg(),
            "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "runs": []}
     try:
         for n in [int(x) for x in args.engines.split(",")]:

@@ -18,7 +18,7 @@ from shared import names
 from shared.protocol import Delta, Handoff, TokenBatch, encode
 
 if TYPE_CHECKING:
-    from engine_worker.llm_engine import RequestOutput
+    from engine_worker.engine.llm_engine import RequestOutput
 
 
 @dataclass(slots=True)

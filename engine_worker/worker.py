@@ -19,7 +19,7 @@ Around it, each thread with its own Redis connection (none ever waits for a step
 ``stream_reader`` (new requests, aborts), ``heartbeat``, ``janitor`` (dead consumers' entries),
 ``orphan_watch`` (dead gateways, deadlines). A request read during step k is admitted in step k+1.
 
-Failover (see gateway/failover.py): the gateway alone resubmits a request whose engine is gone, so
+Failover (see gateway/backend/failover.py): the gateway alone resubmits a request whose engine is gone, so
 this loop never runs an entry that another consumer read -- one a janitor claimed from a dead
 engine, or one an earlier process of this consumer name left pending. It ACKs and deletes such an
 entry and sends its gateway a ``Handoff`` (counted as ``handed_back``). On SIGTERM the loop stops
@@ -47,7 +47,7 @@ from engine_worker.janitor import Janitor
 from engine_worker.metrics import EngineMetrics
 from engine_worker.orphan_watch import OrphanWatch
 from engine_worker.publisher import Outgoing, Publisher
-from engine_worker.sampling_params import SamplingParams
+from engine_worker.engine.sampling_params import SamplingParams
 from engine_worker.stream_reader import AbortReader, RequestReader
 from engine_worker.worker_stats import Counters, LatencyStats
 from shared import names
@@ -70,7 +70,7 @@ class EngineWorker:
         self.cfg = cfg = worker_config
         self.engine_config = engine_config
         if engine is None:
-            from engine_worker.llm_engine import LLMEngine
+            from engine_worker.engine.llm_engine import LLMEngine
             engine = LLMEngine(engine_config)
         self.engine = engine
         self.explicit_id = bool(cfg.engine_id)

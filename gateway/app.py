@@ -3,10 +3,10 @@
     kaiten gateway [--host H] [--port P] [--model DIR] [--redis-url URL] [--tokenizer-url URL]
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), GET /v1/models
-(and /v1/models/{id}), POST /tokenize and /detokenize (vLLM's shapes; gateway/tokenize_api.py),
+(and /v1/models/{id}), POST /tokenize and /detokenize (vLLM's shapes; gateway/api/tokenize_api.py),
 WebSocket /v1/chat/ws (see .helpers/WS_PROTOCOL.md), GET /v1/status, GET /health and GET|POST
 /ping (liveness), GET /version, GET /ready (Redis reachable and an engine alive), GET /metrics
-(Prometheus), GET /openapi.json and /docs (gateway/openapi.py), and the chat page at / (gateway/static/index.html) with its files under /static.
+(Prometheus), GET /openapi.json and /docs (gateway/api/openapi.py), and the chat page at / (gateway/static/index.html) with its files under /static.
 """
 from __future__ import annotations
 
@@ -35,17 +35,19 @@ from shared.config import GatewayConfig
 from shared.log_format import add_log_flags, setup_logging, uvicorn_log_config
 from shared.model_source import ModelNotFoundError
 
-from . import openapi, server_logs
+from . import server_logs
+from .api import openapi
+from .api.errors import APIError, bad_request
+from .api.http_common import authorized, check_auth, gateway_of, json_response, read_body, token_from, ws_subprotocol
+from .api.json_body import parse_json
+from .api.openai_api import parse_chat, parse_completion
+from .api.origins import origin_allowed
+from .api.response_models import ModelCard, ModelList
+from .api.responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
+from .api.tokenize_api import detokenize, tokenize
+from .api.unhandled import CatchUnhandled
 from .core import Gateway, resolve_model_dir
-from .errors import APIError, bad_request
-from .http_common import authorized, check_auth, gateway_of, read_json, token_from, ws_subprotocol
-from .json_body import parse_json
 from .metrics import CONTENT_TYPE_LATEST
-from .openai_api import parse_chat, parse_completion
-from .origins import origin_allowed
-from .responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
-from .tokenize_api import detokenize, tokenize
-from .unhandled import CatchUnhandled
 
 log = logging.getLogger("kaiten.gateway")
 
@@ -82,7 +84,7 @@ async def _run_unstreamed(request: Request, gw: Gateway, gens, build) -> Respons
             gw.record(gens, e)
             return e.response()
         gw.record(gens)
-        return JSONResponse(await build(pieces))
+        return Response(await build(pieces), media_type="application/json")
     finally:
         watcher.cancel()
         gw.close(gens)
@@ -91,12 +93,12 @@ async def _run_unstreamed(request: Request, gw: Gateway, gens, build) -> Respons
 # ---------------------------------------------------------------------- OpenAI endpoints
 async def _generate(request: Request, parse, id_prefix: str, stream, respond) -> Response:
     """The flow both generation endpoints share: auth, JSON body, `parse`, admission, submission,
-    then `stream(gw, parsed, gens, rid, created)` as SSE or, unstreamed, the JSON body that
+    then `stream(gw, parsed, gens, rid, created)` as SSE or, unstreamed, the JSON bytes that
     `await respond(gw, parsed, gens, pieces, rid, created)` builds."""
     gw = gateway_of(request)
     try:
         check_auth(request)
-        body = await read_json(request, gw.config.max_body_bytes, gw.config.max_json_depth)
+        body = await read_body(request, gw.config.max_body_bytes, gw.config.max_json_depth)
         parsed = await parse(body, gw.model_context())
         gw.admit(parsed)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -110,7 +112,7 @@ async def _generate(request: Request, parse, id_prefix: str, stream, respond) ->
     return await _run_unstreamed(request, gw, gens, lambda pieces: respond(gw, parsed, gens, pieces, rid, created))
 
 
-async def _completion_body(gw: Gateway, parsed, gens, pieces, rid: str, created: int) -> dict[str, Any]:
+async def _completion_body(gw: Gateway, parsed, gens, pieces, rid: str, created: int) -> bytes:
     texts = {}
     if parsed.echo:
         for g in gens:
@@ -119,7 +121,7 @@ async def _completion_body(gw: Gateway, parsed, gens, pieces, rid: str, created:
     return completion_response(gw, parsed, gens, pieces, rid, created, texts)
 
 
-async def _chat_body(gw: Gateway, parsed, gens, pieces, rid: str, created: int) -> dict[str, Any]:
+async def _chat_body(gw: Gateway, parsed, gens, pieces, rid: str, created: int) -> bytes:
     return chat_response(gw, parsed, gens, pieces, rid, created)
 
 
@@ -145,7 +147,7 @@ async def models(request: Request) -> Response:
         check_auth(request)
     except APIError as e:
         return e.response()
-    return JSONResponse({"object": "list", "data": [_model_card(gw)]})
+    return json_response(ModelList, {"object": "list", "data": [_model_card(gw)]})
 
 
 async def model_detail(request: Request) -> Response:
@@ -157,7 +159,7 @@ async def model_detail(request: Request) -> Response:
     name = request.path_params["model"]
     if name not in gw.model_names:
         return APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found").response()
-    return JSONResponse(_model_card(gw))
+    return json_response(ModelCard, _model_card(gw))
 
 
 # ---------------------------------------------------------------------- operations
@@ -370,9 +372,9 @@ def _ws_usage(g) -> dict[str, int]:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
-    err = APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)), code=code)
-    headers = dict(exc.headers or {})
-    return JSONResponse(err.body(), status_code=exc.status_code, headers=headers)
+    response = APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)), code=code).response()
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def create_app(config: GatewayConfig | None = None, *, gateway_id: str | None = None) -> Starlette:
@@ -455,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a token before an SSE ': keep-alive' comment; 0: never, as vLLM "
                         "(env KAITEN_SSE_KEEPALIVE, default 0: clients that strip each read, such as vllm bench "
                         "serve, lose every event after a comment that arrives alone)")
-    r = p.add_argument_group("routing (gateway/placement.py)")
+    r = p.add_argument_group("routing (gateway/backend/placement.py)")
     r.add_argument("--routing", choices=("prefix", "queue"), default=None,
                    help="prefix: send each request to the engine holding most of its prompt's KV blocks, "
                         "load permitting; queue: the shared stream, any engine (env KAITEN_ROUTING, default prefix)")

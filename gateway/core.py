@@ -1,8 +1,9 @@
 """The gateway's state: Redis clients, the reply router, the engine monitor, submission and aborts.
 
 Liveness: while it runs, the gateway keeps ``names.gateway_alive_key(gateway_id)`` set with a TTL
-of ``GATEWAY_ALIVE_TTL_S`` (refreshed every third of it, and SET in the same pipeline as every
-XADD), and deletes it on a clean stop; engines abort the requests of a gateway whose key is gone.
+of ``GATEWAY_ALIVE_TTL_S`` (refreshed every third of it by gateway/backend/alive.py's thread, and SET in the
+same pipeline as every XADD), and deletes it on a clean stop; engines abort the requests of a
+gateway whose key is gone.
 Its Redis commands share a bounded pool (``redis_max_connections``): under load they wait for a
 free connection instead of opening more.
 """
@@ -21,15 +22,16 @@ from shared.config import GatewayConfig
 from shared.generation_defaults import load_generation_defaults
 from shared.protocol import Abort, GenerateRequest, encode
 
-from .engines import EngineMonitor
-from .errors import APIError
-from .failover import Failover
-from .generation import SubGeneration, SubRequest
+from .api.errors import APIError
+from .api.openai_api import ModelContext, ParsedRequest
+from .backend.alive import AliveKey
+from .backend.engines import EngineMonitor
+from .backend.failover import Failover
+from .backend.generation import SubGeneration, SubRequest
+from .backend.output import OutputProcessor, RequestState, StopChecker
+from .backend.placement import Placer
+from .backend.router import ReplyRouter
 from .metrics import GatewayMetrics
-from .openai_api import ModelContext, ParsedRequest
-from .output import OutputProcessor, RequestState, StopChecker
-from .placement import Placer
-from .router import ReplyRouter
 
 log = logging.getLogger("kaiten.gateway")
 
@@ -101,6 +103,7 @@ class Gateway:
         self.placer: Placer | None = None
         self.router: ReplyRouter | None = None
         self.failover: Failover | None = None
+        self.alive: AliveKey | None = None
         self._tasks: list[asyncio.Task] = []
         self._bg: set[asyncio.Task] = set()
         self.started_at = time.time()
@@ -139,9 +142,10 @@ class Gateway:
         self.router.processor = OutputProcessor(self.text_tokenizer, self.metrics, self.router.counters,
                                                 finish=self._finished,
                                                 fail=self.router.fail, abort=self.abort_soon)
-        await self._set_alive()
-        self._tasks = [asyncio.create_task(self._keep_alive(), name="kaiten-gateway-alive"),
-                       asyncio.create_task(self.router.run(), name="kaiten-reply-reader"),
+        self.alive = AliveKey(self.config.redis_url, self.gateway_id)
+        await asyncio.to_thread(self.alive.set)
+        self.alive.start()
+        self._tasks = [asyncio.create_task(self.router.run(), name="kaiten-reply-reader"),
                        asyncio.create_task(self.router.watchdog(), name="kaiten-watchdog"),
                        asyncio.create_task(self.monitor.run(), name="kaiten-engine-monitor")]
         # Best effort: be subscribed and know the engines before serving (Redis may be down).
@@ -160,7 +164,7 @@ class Gateway:
 
     async def stop(self) -> None:
         if self.router is not None:
-            from .errors import GenerationError
+            from .api.errors import GenerationError
             self.router.fail_all(lambda: GenerationError(503, "the gateway is shutting down", code="shutdown"))
         if self.failover is not None:
             await self.failover.wait_idle(2.0)
@@ -176,6 +180,8 @@ class Gateway:
         self._tasks = []
         if self.router is not None:
             await self.router.close()
+        if self.alive is not None:
+            await asyncio.to_thread(self.alive.stop)
         if self.redis is not None:
             try:
                 await asyncio.wait_for(self.redis.delete(self.alive_key), 2.0)
@@ -191,23 +197,6 @@ class Gateway:
             await self.tokenizer.aclose()
         except Exception:
             pass
-
-    # ------------------------------------------------------------------ liveness
-    async def _set_alive(self) -> bool:
-        try:
-            await asyncio.wait_for(self.redis.set(self.alive_key, self.gateway_id,
-                                                  px=int(names.GATEWAY_ALIVE_TTL_S * 1000)),
-                                   names.GATEWAY_ALIVE_TTL_S)
-            return True
-        except Exception:           # Redis down: the next submission's pipeline sets it again
-            return False
-
-    async def _keep_alive(self) -> None:
-        """Refresh the liveness key every third of its TTL (a failed refresh is retried sooner)."""
-        period = names.GATEWAY_ALIVE_TTL_S / 3
-        while True:
-            ok = await self._set_alive()
-            await asyncio.sleep(period if ok else period / 4)
 
     # ------------------------------------------------------------------ model facts
     def max_model_len(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
-from .placement import REASONS as ROUTING_REASONS
+from .backend.placement import REASONS as ROUTING_REASONS
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -59,7 +59,7 @@ class GatewayMetrics:
         self.generation_tokens = own(Counter, "kaiten:generation_tokens", "Generated tokens delivered.")
         self.failovers = own(Counter, "kaiten:request_failovers",
                              "Requests moved to another engine because theirs was lost or shut down.")
-        self._routed = Counter("kaiten:routing_decisions", "Requests routed, by reason (gateway/placement.py).",
+        self._routed = Counter("kaiten:routing_decisions", "Requests routed, by reason (gateway/backend/placement.py).",
                                lbl + ["reason"], registry=r)
         for reason in ROUTING_REASONS:
             self._routed.labels(model_name, reason)

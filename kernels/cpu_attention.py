@@ -91,10 +91,12 @@ def _build_dir(name: str) -> Path:
 
 
 def _source_digest(cflags: list[str]) -> str:
-    """A digest of the kernel source and its flags, part of the extension's name: checkouts with
-    different kernels (another branch, an older release) then never load each other's build from
-    the shared cache."""
-    return hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(cflags).encode()).hexdigest()[:12]
+    """A digest of the kernel source, its flags and its folder, part of the extension's name:
+    checkouts with different kernels (another branch, an older release) never load each other's
+    build from the shared cache, and two checkouts of the same kernels do not rebuild in turn
+    (cpp_extension's build.ninja names the sources by absolute path)."""
+    key = b"".join(p.read_bytes() for p in _SOURCES) + " ".join(cflags).encode() + str(_SOURCES[0].parent).encode()
+    return hashlib.sha1(key).hexdigest()[:12]
 
 
 @contextlib.contextmanager

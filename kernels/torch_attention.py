@@ -19,7 +19,7 @@ metadata); it is rebuilt whenever the metadata's contents differ.
 
 The padded positions of a group (beyond a context, or a -1 block table entry, read as block 0)
 are masked, but they are read: the cache must hold finite values everywhere (allocate it with
-torch.zeros, as engine_worker/model_runner.py does), since NaN/Inf there would leak through
+torch.zeros, as engine_worker/model/model_runner.py does), since NaN/Inf there would leak through
 0 * NaN in the softmax and P @ V products.
 """
 from __future__ import annotations

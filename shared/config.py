@@ -64,17 +64,26 @@ class _EnvConfig:
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_KEYS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"), "draft_model": ("model",)}
+SPECULATIVE_METHODS = tuple(SPECULATIVE_KEYS)
+
+
+def _check_method(method) -> None:
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config method {method!r} is not supported (EAGLE and suffix speculation "
+                         f"are not implemented); choose one of {', '.join(SPECULATIVE_METHODS)}")
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": 5,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 1}."""
+    "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", "model": DIR,
+    "num_speculative_tokens": 3}."""
     method: str = "ngram"
     num_speculative_tokens: int = 5
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str = ""                       # the draft model (same tokenizer as the target)
 
     @classmethod
     def parse(cls, text: str | dict) -> SpeculativeConfig | None:
@@ -91,20 +100,20 @@ class SpeculativeConfig:
             return None
         if not isinstance(text, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {text!r:.100}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(text) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
         if "method" not in text:
             raise ValueError(f"speculative_config needs a 'method' (one of {', '.join(SPECULATIVE_METHODS)})")
+        _check_method(text["method"])
+        known = {"method", "num_speculative_tokens", *SPECULATIVE_KEYS[text["method"]]}
+        unknown = sorted(set(text) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} for method {text['method']!r}; "
+                             f"known: {sorted(known)}")
         config = cls(**text)
         config.validate()
         return config
 
     def validate(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config method {self.method!r} is not supported; "
-                             f"choose one of {', '.join(SPECULATIVE_METHODS)}")
+        _check_method(self.method)
         for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
@@ -112,6 +121,9 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config method 'draft_model' needs a 'model' (the draft model's "
+                             "directory or name)")
 
 
 @dataclass(slots=True)
@@ -211,7 +223,7 @@ class GatewayConfig(_EnvConfig):
     sse_keepalive: float = 0.0           # seconds without a frame before a ": keep-alive" SSE comment; 0: off
     allowed_origins: tuple[str, ...] = ()  # key-less WebSocket: Origins besides the page's own ("*": any)
     max_json_depth: int = 64             # deeper request JSON is refused (400)
-    routing: str = "prefix"              # prefix: cache-aware (gateway/placement.py) | queue: the shared stream
+    routing: str = "prefix"              # prefix: cache-aware (gateway/backend/placement.py) | queue: the shared stream
     routing_cache_threshold: float = 0.5  # route by prefix when an engine holds this share of the prompt
     routing_balance_abs_threshold: int = 8      # ... unless it is busier than the least loaded engine
     routing_balance_rel_threshold: float = 1.5  # by more than this many requests and this many times

@@ -10,7 +10,7 @@ Every message is a map with ``v`` (protocol version) and ``t`` (type). Types:
   ``TokenBatch``; fields at their default are left out on the wire and filled in by ``decode``.
 - ``handoff``  engine -> one gateway (pub/sub): "these requests of yours get no more tokens from me;
   move them" (the engine is shutting down, or its janitor found them at a dead engine). The gateway
-  resubmits each as a continuation (``gateway/failover.py``).
+  resubmits each as a continuation (``gateway/backend/failover.py``).
 
 A delta carries a per-request sequence number ``seq`` (0, 1, 2, ...). The last delta of a request
 has ``finish_reason`` set; ``finish_reason == "error"`` comes with ``error`` text. So "finish" and

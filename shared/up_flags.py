@@ -55,7 +55,8 @@ CHILD_FLAGS = (
               "no CUDA graphs, no torch.compile (the eager model)", None),
     ChildFlag("--speculative-config", "KAITEN_SPECULATIVE_CONFIG", "engine",
               'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 5, '
-              '"prompt_lookup_max": 4} (default: none)', _speculative_config),
+              '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 3} '
+              '(default: none)', _speculative_config),
     ChildFlag("--served-model-name", "KAITEN_SERVED_MODEL_NAME", "gateway",
               "the model's name in the API (default: the directory's name)"),
     ChildFlag("--allowed-origins", "KAITEN_ALLOWED_ORIGINS", "gateway",

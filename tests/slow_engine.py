@@ -12,7 +12,7 @@ import time
 
 def main() -> int:
     from engine_worker import worker
-    from engine_worker.llm_engine import LLMEngine
+    from engine_worker.engine.llm_engine import LLMEngine
     pause, go_file = float(sys.argv[1]), sys.argv[2]
     step, run = LLMEngine.step, worker.EngineWorker.run
 

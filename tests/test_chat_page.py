@@ -29,6 +29,7 @@ import pytest
 from tests.redis_server import free_port
 
 CHROMIUM = "/usr/bin/chromium"
+ENGINE_ID = "chat-page-test"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -95,12 +96,14 @@ class GatewayThread:
 
 
 class StreamTap:
-    """Every request the gateways XADD, decoded, read by a blocked XREAD on a thread as it arrives."""
+    """Every request the gateways XADD, decoded, read by a blocked XREAD on a thread as it arrives:
+    on the shared stream and on the engine's own stream, where cache-aware routing sends requests."""
 
-    def __init__(self, redis_url: str):
+    def __init__(self, redis_url: str, engine_id: str):
         import redis
         self.r = redis.Redis.from_url(redis_url, socket_timeout=5)
         self.requests: dict[str, object] = {}
+        self.engine_id = engine_id
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._read, name="stream-tap", daemon=True)
         self.thread.start()
@@ -108,11 +111,11 @@ class StreamTap:
     def _read(self) -> None:
         from shared import names
         from shared.protocol import GenerateRequest, decode
-        last = "0-0"            # the stack starts on an empty Redis
+        last = {names.REQUEST_STREAM: "0-0", names.engine_stream(self.engine_id): "0-0"}  # an empty Redis
         while not self._stop.is_set():
-            for _, entries in self.r.xread({names.REQUEST_STREAM: last}, block=1000) or []:
+            for stream, entries in self.r.xread(last, block=1000) or []:
                 for entry_id, fields in entries:
-                    last = entry_id
+                    last[stream.decode()] = entry_id
                     msg = decode(fields[names.PAYLOAD_FIELD])
                     if isinstance(msg, GenerateRequest):
                         self.requests[msg.request_id] = msg
@@ -177,10 +180,10 @@ def stack(browser, tiny_model_dir, redis_server):
     engine = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "engine", "--model", str(tiny_model_dir),
          "--redis-url", redis_server.url, "--dtype", "float32", "--kv-cache-memory", "64MiB",
-         "--engine-id", "chat-page-test", "--heartbeat-interval", "0.25"],
+         "--engine-id", ENGINE_ID, "--heartbeat-interval", "0.25"],
         cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
     gateway = GatewayThread(tiny_model_dir, redis_server.url, free_port())
-    tap = StreamTap(redis_server.url)
+    tap = StreamTap(redis_server.url, ENGINE_ID)
     try:
         gateway.start()
         gateway.wait_ready(timeout=90)

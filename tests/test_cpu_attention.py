@@ -205,7 +205,7 @@ def test_write_kv(backend, dtype):
 
 
 def test_registry_and_custom_op(backend):
-    from engine_worker.compiled_forward import paged_attention
+    from engine_worker.model.compiled_forward import paged_attention
     from kernels.interface import get_attention_backend
 
     assert get_attention_backend("cpu").name == "cpu"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
-from engine_worker.cuda_graphs import DecodeGraphRunner, capture_sizes
-from engine_worker.model_runner import ModelRunner, kv_budget_from_profile
+from engine_worker.model.cuda_graphs import DecodeGraphRunner, capture_sizes
+from engine_worker.model.model_runner import ModelRunner, kv_budget_from_profile
 from kernels.interface import AttentionMetadata
 from shared.config import EngineConfig
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
-from engine_worker.llama import PackedLinear
+from engine_worker.model.llama import PackedLinear
 from tests.engine_support import engine_config
 
 MAX_TOKENS = 24
@@ -126,7 +126,7 @@ def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dir, prompts, expecte
 def test_offline_llm_batches_more_tokens_per_step_than_a_server(tiny_model_dir):
     """The offline LLM defaults to OFFLINE_TOKEN_BUDGET (throughput); an engine built for a server
     keeps the CPU's latency budget; an explicit budget wins over both."""
-    from engine_worker.llm_engine import LLMEngine
+    from engine_worker.engine.llm_engine import LLMEngine
     from shared.config import CPU_TOKEN_BUDGET, OFFLINE_TOKEN_BUDGET
     assert LLM(str(tiny_model_dir), enforce_eager=True).engine.config.max_num_batched_tokens == OFFLINE_TOKEN_BUDGET
     assert LLMEngine(engine_config(tiny_model_dir)).config.max_num_batched_tokens == CPU_TOKEN_BUDGET
@@ -147,7 +147,7 @@ def test_greedy_matches_hf_under_preemption(tiny_model_dir, prompts, expected, f
 def test_a_failed_compile_falls_back_to_the_eager_model(tiny_model_dir, prompts, expected, monkeypatch):
     """Where Inductor cannot compile (no C++ compiler in a slim image) the engine warns and runs
     eagerly instead of failing to start."""
-    from engine_worker.compiled_forward import CompiledForward
+    from engine_worker.model.compiled_forward import CompiledForward
 
     def no_compiler(self):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
@@ -175,7 +175,7 @@ def test_compiled_cpu_graph_calls_the_extension_ops(tiny_model_dir, prompts, exp
 def test_attention_ops_outside_a_step_match_the_backend():
     """The compiled forward's custom ops, called without a step context, find the backend by
     name and rebuild the metadata from its tensors; pad rows (slot -1) write no KV."""
-    from engine_worker.compiled_forward import paged_attention, write_kv
+    from engine_worker.model.compiled_forward import paged_attention, write_kv
     from kernels.interface import AttentionMetadata, get_attention_backend
     torch.manual_seed(0)
     k_cache, v_cache = torch.zeros(2, 4, 16, 2, 16), torch.zeros(2, 4, 16, 2, 16)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
-from engine_worker.quant_layers import QuantEmbedding, QuantLinear
+from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear
 from kernels.cpu_attention import cpp_attention_available
 from tests.test_model_source import write_llama_gguf
 from tests.tiny_model import build_tiny_model

@@ -301,7 +301,7 @@ def test_chat_streamed_and_not(env, tok):
 
 
 def test_params_reach_the_engine_as_sampling_params(env):
-    from engine_worker.sampling_params import SamplingParams
+    from engine_worker.engine.sampling_params import SamplingParams
     r = env["client"].post("/v1/completions", json={
         "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11,
         "stop_token_ids": [2, 9], "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": 2})
@@ -780,7 +780,7 @@ def test_gateway_imports_without_torch():
 # ---------------------------------------------------------------------- stop strings (unit)
 def test_stop_checker_random_splits():
     import random
-    from gateway.output import StopChecker
+    from gateway.backend.output import StopChecker
     rng = random.Random(0)
     alphabet = "ab c\n"
     for _ in range(2000):

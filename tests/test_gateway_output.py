@@ -10,9 +10,9 @@ import httpx
 import pytest
 import redis
 
-from gateway.errors import GenerationError
+from gateway.api.errors import GenerationError
 from gateway.metrics import GatewayMetrics
-from gateway.output import OutputProcessor, Piece, RequestState, StopChecker
+from gateway.backend.output import OutputProcessor, Piece, RequestState, StopChecker
 from shared import names
 from shared.protocol import Delta, TokenLogprob
 from tests.engine_support import wait_until
@@ -272,9 +272,26 @@ def test_liveness_key_expires_without_refresh(redis_server, tiny_model_dir):
         key = names.gateway_alive_key(srv.gw.gateway_id)
         assert r.exists(key)
         # A gateway that stops refreshing (hung, killed): the key is gone within the TTL.
-        task = next(t for t in srv.gw._tasks if t.get_name() == "kaiten-gateway-alive")
-        task.get_loop().call_soon_threadsafe(task.cancel)
+        srv.gw.alive.stop()
         assert wait_until(lambda: not r.exists(key), timeout=names.GATEWAY_ALIVE_TTL_S + 1.0)
+    finally:
+        srv.stop()
+        eng.stop()
+
+
+def test_liveness_key_outlives_a_blocked_event_loop(redis_server, tiny_model_dir):
+    """A gateway whose event loop is busy for longer than the key's TTL (a load spike) is still
+    alive to the engines: the key is refreshed by its own thread and connection."""
+    r = redis.Redis.from_url(redis_server.url)
+    eng = FakeEngine(redis_server.url, engine_id="fake-busy", model=tiny_model_dir.name).start()
+    srv = start_gateway(redis_server.url, tiny_model_dir)
+    try:
+        key = names.gateway_alive_key(srv.gw.gateway_id)
+        srv.gw._tasks[0].get_loop().call_soon_threadsafe(time.sleep, 2.5 * names.GATEWAY_ALIVE_TTL_S)
+        deadline = time.monotonic() + 2.5 * names.GATEWAY_ALIVE_TTL_S
+        while time.monotonic() < deadline:
+            assert r.exists(key)
+            time.sleep(0.05)
     finally:
         srv.stop()
         eng.stop()
@@ -306,7 +323,7 @@ def test_requests_are_added_without_maxlen(redis_server, tiny_model_dir):
 
 
 def test_stop_checker_include_stop_and_min_tokens():
-    from gateway.output import StopChecker
+    from gateway.backend.output import StopChecker
     c = StopChecker(["ab"], include_stop=True)
     assert c.feed("xxab yy", 1) == ("xxab", True) and c.stopped == "ab"
     c = StopChecker(["ab"], min_tokens=2)
@@ -336,7 +353,7 @@ def test_fencing_a_moved_request_ignores_its_old_engine(tok):
 def test_fencing_a_stale_handoff_moves_nothing():
     """A shutdown handoff from an engine that no longer holds the request (delayed across a
     partition), or naming an id moved already, is counted stale; the holder's own one moves it."""
-    from gateway.router import ReplyRouter
+    from gateway.backend.router import ReplyRouter
     from shared.protocol import Handoff, encode
     router = ReplyRouter(None, "gw", monitor=None, engine_timeout=5.0)
     moved: list[tuple[list[str], str]] = []

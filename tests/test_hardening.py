@@ -50,6 +50,17 @@ def test_deeply_nested_json_is_a_400(env):
     assert ok.status_code == 200, ok.text
 
 
+def test_malformed_bodies_are_400s_from_the_validation_of_bytes(env):
+    """Bodies with few brackets go to validation undecoded: pydantic's JSON errors are still ours."""
+    srv = env["keyed"]
+    for body, code, text in ((b'{"messages": [', "invalid_json", "invalid JSON"),
+                             (b'{"a": "\\ud800"}', "invalid_json", "invalid JSON"),
+                             (b"[1]", "invalid_type", "must be a JSON object"),
+                             (b'"hi"', "invalid_type", "must be a JSON object")):
+        r = _post(srv, body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code and text in r.json()["error"]["message"], r.text
+
+
 async def _ws(url: str, frames: list, origin: str | None = None) -> list:
     headers = {"Origin": origin} if origin else None
     out = []

@@ -1,4 +1,4 @@
-"""engine_worker/host_memory.py: the CPU KV cache on transparent huge pages."""
+"""engine_worker/model/host_memory.py: the CPU KV cache on transparent huge pages."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from engine_worker.host_memory import zeros_on_huge_pages
+from engine_worker.model.host_memory import zeros_on_huge_pages
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -102,8 +102,8 @@ def _sse_events(srv, path: str, body: dict) -> list[dict]:
 def test_streams_and_bodies_match_the_models(stack):
     """What the spec cannot say of a text/event-stream: every chunk of real streams (logprobs, usage,
     tool calls) is a CompletionChunk / ChatCompletionChunk; and the unstreamed bodies are theirs."""
-    from gateway.api_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
-                                    CompletionResponse)
+    from gateway.api.response_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
+                                         CompletionResponse)
     srv, model = stack["srv"], stack["model"]
     usage = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     comp = {"model": model, "prompt": [40, 41, 42], "max_tokens": 4, "logprobs": 2, "echo": True}
@@ -119,3 +119,18 @@ def test_streams_and_bodies_match_the_models(stack):
     with httpx.Client(base_url=srv.url, trust_env=False, timeout=60) as c:
         CompletionResponse.model_validate(c.post("/v1/completions", json=comp | {"prompt_logprobs": 1}).json())
         ChatCompletionResponse.model_validate(c.post("/v1/chat/completions", json=chat | tools).json())
+
+
+def test_bodies_are_written_through_their_models():
+    """encode: only declared fields with their declared types; optional fields left out stay out."""
+    from pydantic import ValidationError
+
+    from gateway.api.response_models import ChatCompletionChunk, encode
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "é"}, "logprobs": None, "finish_reason": None}]}
+    assert encode(ChatCompletionChunk, chunk) == json.dumps(chunk, ensure_ascii=False,
+                                                            separators=(",", ":")).encode()
+    for bad in ({**chunk, "extra": 1}, {**chunk, "object": "chat.completion"},
+                {**chunk, "choices": [{"index": 0, "delta": {"text": "x"}}]}):
+        with pytest.raises(ValidationError):
+            encode(ChatCompletionChunk, bad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engine_worker.llm_engine import RequestOutput
+from engine_worker.engine.llm_engine import RequestOutput
 from engine_worker.publisher import Publisher
 from shared import names
 from shared.protocol import (PROTOCOL_VERSION, Delta, GenerateRequest, Handoff, ProtocolError, TokenBatch,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.quant_layers import QuantEmbedding, QuantLinear
+from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear
 from kernels.cpu_attention import cpp_attention_available
 from shared.gguf_quant import concat, repack
 from tests.test_gguf_quant import gguf_tensor

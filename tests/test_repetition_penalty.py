@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
-from engine_worker.sampler import Sampler
-from engine_worker.sequence import Sequence
+from engine_worker.engine.sampler import Sampler
+from engine_worker.engine.sequence import Sequence
 
 
 def _seq(token_ids: list[int], num_prompt: int, params: SamplingParams) -> Sequence:

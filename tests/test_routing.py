@@ -16,8 +16,8 @@ import httpx
 import msgpack
 import pytest
 
-from gateway.engines import EngineInfo, EngineMonitor
-from gateway.placement import Placer
+from gateway.backend.engines import EngineInfo, EngineMonitor
+from gateway.backend.placement import Placer
 from shared import names
 from shared.block_hash import block_hash, prefix_block_hashes
 from shared.block_index import pack_blocks, unpack_blocks
@@ -58,9 +58,9 @@ def test_block_list_round_trips_and_rejects_junk():
 
 
 def test_prefix_cache_hashes_are_the_routing_hashes():
-    from engine_worker.block_manager import BlockManager
-    from engine_worker.sequence import Sequence
-    from engine_worker.sampling_params import SamplingParams
+    from engine_worker.engine.block_manager import BlockManager
+    from engine_worker.engine.sequence import Sequence
+    from engine_worker.engine.sampling_params import SamplingParams
     bm = BlockManager(num_blocks=16, block_size=BS)
     prompt = list(range(3, 3 + 5 * BS + 3))
     seq = Sequence("r", list(prompt), len(prompt), SamplingParams())

@@ -17,7 +17,7 @@ import websockets
 from starlette.routing import Route
 
 from gateway.app import create_app
-from gateway.http_common import WS_SUBPROTOCOL, bearer_subprotocol
+from gateway.api.http_common import WS_SUBPROTOCOL, bearer_subprotocol
 from gateway.server_logs import RedactSecrets, redact_query, redact_text
 from shared.config import GatewayConfig
 from tests.engine_support import wait_until

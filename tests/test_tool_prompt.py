@@ -1,11 +1,11 @@
-"""Tools in the prompt (tokenizer_service/tool_prompt.py) and tool calls out of the text (gateway/tools.py)."""
+"""Tools in the prompt (tokenizer_service/tool_prompt.py) and tool calls out of the text (gateway/api/tools.py)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from gateway.tools import ToolStream, extract, parse_tools
+from gateway.api.tools import ToolStream, extract, parse_tools
 from tokenizer_service import ChatTokenizer
 from tokenizer_service.tokenizer import ChatTemplateOptions
 from tests.tiny_model import build_tokenizer

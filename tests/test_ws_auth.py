@@ -9,7 +9,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from gateway.http_common import WS_SUBPROTOCOL, bearer_subprotocol, token_from
+from gateway.api.http_common import WS_SUBPROTOCOL, bearer_subprotocol, token_from
 from tests.test_gateway_support import FakeEngine, start_gateway
 
 pytestmark = pytest.mark.timeout(60)

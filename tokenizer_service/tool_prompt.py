@@ -2,7 +2,7 @@
 
 A template that mentions tools (Qwen2's, Llama 3.1's ...) gets the messages and ``tools=`` as they
 are. Others (SmolLM2-135M's plain ChatML) would drop them silently, so the messages are rewritten
-in the Hermes format the gateway parses back (``gateway/tools.py``): the tool signatures go in the
+in the Hermes format the gateway parses back (``gateway/api/tools.py``): the tool signatures go in the
 system message, earlier calls become ``<tool_call>`` text in the assistant's content, and tool
 results become ``<tool_response>`` user messages.
 """

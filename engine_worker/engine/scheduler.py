@@ -1,0 +1,127 @@
+"""Iteration-level scheduling: the waiting and running queues, chunked prefill and preemption.
+
+Every step: running sequences first (decodes and unfinished prefill chunks), in admission order;
+then waiting sequences FCFS while blocks, the token budget and the batch cap allow. When a running
+sequence cannot get a block, the most recently admitted one is preempted by recompute: its blocks
+are freed and it returns to the front of the waiting queue with the tokens it already generated.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_worker.engine.block_manager import BlockManager
+from engine_worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)   # tokens computed this step, per seq
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}       # every waiting or running sequence
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.by_id[seq.request_id] = seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        return self.by_id.get(request_id)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take `seq` out of the queues and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.by_id.pop(seq.request_id, None)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.time()
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._num_new_tokens(seq, budget)
+            if self._allocate_or_preempt(seq, n, batch):
+                batch.add(seq, n)
+                budget -= n
+                i += 1
+        if not batch.preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """The sequence's uncomputed tokens plus the drafts that the budget and free blocks allow
+        (drafts are trimmed to what is scheduled, and dropped rather than preempting anyone)."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = min(remaining + len(seq.spec_token_ids), budget)
+        del seq.spec_token_ids[max(0, n - remaining):]
+        if seq.spec_token_ids and not self.block_manager.allocate(seq, n):
+            seq.spec_token_ids = []
+            n = min(remaining, budget)
+        return n
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        while not self.block_manager.allocate(seq, n):
+            victim = self.running[-1]          # most recently admitted
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.spec_token_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = [] if seq.needs_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(seq, n, cached):
+                break                              # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+                seq.scheduled_time = time.time()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n

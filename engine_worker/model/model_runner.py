@@ -1,0 +1,252 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine_worker.engine.scheduler import ScheduledBatch
+from engine_worker.model.compiled_forward import CompiledForward
+from engine_worker.model.cuda_graphs import DecodeGraphRunner
+from engine_worker.model.host_memory import zeros_on_huge_pages
+from engine_worker.model.llama import LlamaForCausalLM, ModelConfig, PackedLinear, cpu_has_native_bf16
+from kernels.cpu_attention import cpp_attention_available
+from kernels.interface import AttentionMetadata, get_attention_backend
+from shared import gguf_quant
+from shared.config import EngineConfig, parse_memory
+from shared.gguf_convert import QUANTIZED_FILE
+from shared.gguf_quant import PackedWeight
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_MEMORY = "1GiB"       # kv_cache_memory "auto" on the CPU
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+          "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 where matmuls run natively in bf16 (CUDA, AVX512-BF16/AMX CPUs), else fp32:
+    without bf16 instructions torch emulates bf16 matmuls at a fraction of the fp32 speed."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose auto or one of {sorted(DTYPES)}") from None
+
+
+def kv_budget_from_profile(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
+    """CUDA KV budget in bytes: `utilization` of the GPU's `total` memory, less this process's
+    peak torch allocation during the warm-up profile (weights and activations, `peak`) and less
+    the memory torch does not account for (CUDA context, other processes: total - free - reserved).
+    """
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    non_torch = max(0, total - free - reserved)
+    return int(total * utilization) - peak - non_torch
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.block_size = getattr(self.backend, "REQUIRED_BLOCK_SIZE", None) or config.block_size
+        if self.block_size != config.block_size:
+            log.warning("attention backend %s needs block_size %d (configured %d); using %d",
+                        self.backend.name, self.block_size, config.block_size, self.block_size)
+        self.model = LlamaForCausalLM(self.model_config).to(device=self.device, dtype=self.dtype)
+        packed = self._quantized_weights(model_dir)
+        if packed:
+            self.model.use_quantized(packed, self.dtype)
+        self.model.load_weights(model_dir)
+        self.model.eval()
+        if config.pack_cpu_weights and PackedLinear.supported(self.device, self.dtype):
+            self.model.pack_for_cpu()
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"{self.model_config.max_position_embeddings} positions")
+        self.num_blocks = self._num_blocks(self._kv_budget())
+        self.kv_caches = self._allocate_kv_cache()
+        self.graphs: DecodeGraphRunner | None = None
+        self.compiled: CompiledForward | None = None
+        if self.device.type == "cpu" and not config.enforce_eager:
+            self.compiled = self._compile()
+        want_graphs = self.device.type == "cuda" and not config.enforce_eager
+        if want_graphs and not self.backend.cuda_graph_safe:
+            log.warning("attention backend %s cannot run in CUDA graphs; decode runs eagerly", self.backend.name)
+        elif want_graphs:
+            self.graphs = DecodeGraphRunner(
+                self.model, self.kv_caches, self.backend,
+                max_batch=max(1, min(config.max_num_seqs, config.max_cuda_graph_batch)),
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                max_seqlen_k=self.max_model_len, device=self.device)
+            self.graphs.capture()
+
+    def _quantized_weights(self, model_dir: str) -> dict[str, PackedWeight]:
+        """The GGUF's quantized matrices as stored, where the model has them, --quantization is
+        auto and the CPU kernel loads; else none (the dequantized weights are used)."""
+        path = Path(model_dir) / QUANTIZED_FILE
+        if self.config.quantization not in ("auto", "none"):
+            raise ValueError(f"unknown quantization {self.config.quantization!r}; choose auto or none")
+        if self.config.quantization == "none" or not path.is_file():
+            return {}
+        if self.device.type != "cpu" or not cpp_attention_available():
+            log.warning("the quantized weights in %s need the CPU kernel; using the dequantized ones", path)
+            return {}
+        packed = gguf_quant.load(path)
+        log.info("%d matrices served quantized as stored (%s)", len(packed),
+                 ", ".join(sorted({f"{w.kind}/{w.group}" for w in packed.values()})))
+        return packed
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory != "auto":
+            return parse_memory(self.config.kv_cache_memory)
+        if self.device.type != "cuda":
+            return parse_memory(CPU_KV_CACHE_MEMORY)
+        peak = self._profile_peak_memory()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_budget_from_profile(total, free, torch.cuda.memory_reserved(self.device), peak,
+                                        self.config.gpu_memory_utilization)
+        log.info("KV cache budget %.2f GiB: %.0f%% of %.1f GiB less a profiled peak of %.2f GiB",
+                 budget / 2**30, 100 * self.config.gpu_memory_utilization, total / 2**30, peak / 2**30)
+        return budget
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Peak torch memory of the largest step: a prefill of max_num_batched_tokens tokens, split
+        into sequences of at most max_model_len, with the logits of max_num_seqs rows. Its KV goes
+        to a scratch cache that is not counted."""
+        cfg, bs = self.model_config, self.block_size
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
+        lens = [min(self.max_model_len, tokens - start) for start in range(0, tokens, self.max_model_len)]
+        blocks = [-(-n // bs) for n in lens]
+        shape = (sum(blocks), bs, cfg.num_kv_heads, cfg.head_dim)
+        scratch = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
+        tables, slots, first = [], [], 0
+        for n, nb in zip(lens, blocks):                 # each sequence on consecutive scratch blocks
+            tables.append(list(range(first, first + nb)) + [0] * (max(blocks) - nb))
+            slots.extend(range(first * bs, first * bs + n))
+            first += nb
+        dev = self.device
+        cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(cu, torch.tensor(lens, dtype=torch.int32, device=dev),
+                                 torch.tensor(tables, dtype=torch.int32, device=dev),
+                                 torch.tensor(slots, dtype=torch.int64, device=dev),
+                                 max(lens), max(lens), lens, lens)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        hidden = self.model(ids, pos, scratch, meta, self.backend)
+        self.model.compute_logits(hidden[:min(tokens, self.config.max_num_seqs)])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - scratch_bytes
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _num_blocks(self, budget_bytes: int) -> int:
+        num_blocks = budget_bytes // self._bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {budget_bytes} B holds no block of {self._bytes_per_block()} B")
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+
+        def zeros() -> torch.Tensor:
+            if self.device.type == "cpu":
+                return zeros_on_huge_pages(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+
+    def _compile(self) -> CompiledForward | None:
+        """The compiled CPU forward, or None (eager, with a warning) where Inductor cannot build
+        it: its C++ code generation needs a C++ compiler, which a slim image may lack."""
+        try:
+            compiled = CompiledForward(self.model, self.kv_caches, self.backend)
+            compiled.warm_up()
+            return compiled
+        except Exception as e:      # InductorError (no compiler), a failed build, ...
+            log.warning("torch.compile is unavailable here, running the eager model: %s: %s",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            torch._dynamo.reset()
+            return None
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Pack the step's new tokens of every sequence, with positions, slots and block tables.
+        Per-token values (positions, slots) come from numpy ops over the batch, not Python loops."""
+        seqs, qlens = batch.seqs, batch.num_new_tokens
+        klens = [seq.num_computed_tokens + n for seq, n in zip(seqs, qlens)]
+        input_ids: list[int] = []
+        for seq, n, end in zip(seqs, qlens, klens):
+            if seq.spec_token_ids:           # the last token, then the drafts to verify
+                input_ids += seq.token_ids[end - n:] + seq.spec_token_ids
+            else:
+                input_ids += seq.token_ids[end - n:end]
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.array([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], dtype=np.int32)
+        q = np.array(qlens, dtype=np.int64)
+        k = np.array(klens, dtype=np.int32)
+        cu = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(q, out=cu[1:])
+        if len(input_ids) == len(seqs):      # decode-only: one token per sequence, at klens - 1
+            seq_of_token, positions = np.arange(len(seqs)), k.astype(np.int64) - 1
+        else:                                # token t of sequence i sits at klens[i] - qlens[i] + t - cu[i]
+            seq_of_token = np.repeat(np.arange(len(seqs)), q)
+            positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(k - q - cu[:-1], q)
+        bs = self.block_size
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.from_numpy(cu).to(dev), seqlens_k=torch.from_numpy(k).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
+            max_seqlen_q=max(qlens), max_seqlen_k=max(klens), seqlens_q_list=qlens, seqlens_k_list=klens)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        return ids, torch.from_numpy(positions).to(dev), meta
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, sample_rows: list[int], prompt_spans: list[tuple[int, int, int]] = (),
+            sample_counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward pass; returns fp32 logits [sum(sample_counts), vocab] of the last
+        sample_counts[i] (default 1: speculative drafts add theirs) tokens of the sequences at
+        `sample_rows` (those whose whole context is computed after this step) and, for prompt
+        logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
+        new tokens, count), in order (None when there are none)."""
+        ids, pos, meta = self.prepare(batch)
+        if self.graphs is not None and meta.is_decode_only and meta.num_seqs <= self.graphs.max_batch:
+            hidden = self.graphs.run(ids, pos, meta)
+        elif self.compiled is not None:
+            hidden = self.compiled(ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
+        if sample_counts is None or all(c == 1 for c in sample_counts):
+            last = meta.cu_seqlens_q[1:].long() - 1
+            rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
+        else:
+            ends = np.cumsum(batch.num_new_tokens)[sample_rows]
+            rows = torch.from_numpy(np.concatenate([np.arange(e - c, e) for e, c in zip(ends, sample_counts)]))
+            rows = rows.to(self.device)
+        prompt_logits = None
+        if prompt_spans:
+            starts = np.concatenate([[0], np.cumsum(batch.num_new_tokens)])
+            index = np.concatenate([np.arange(starts[r] + first, starts[r] + first + n) for r, first, n in prompt_spans])
+            prompt_logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
+        return self.model.compute_logits(hidden[rows]), prompt_logits

@@ -1,0 +1,1 @@
+"""Between the API and the engines: routing, the reply channel, failover, output processing."""
