@@ -76,6 +76,15 @@ def bench_client(peer: str, url: str, name: str, model: str, concurrency: int, n
     return {k: res.get(k) for k in METRICS}
 
 
+def warm_up(url: str, name: str) -> None:
+    """One untimed completion, so that no server's first-request costs (Kaiten's torch.compile of
+    the step, llama.cpp's buffer set-up) land in the first timed run."""
+    body = json.dumps({"model": name, "prompt": "Hello, how are you?", "max_tokens": 16}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        resp.read()
+
+
 def serve_and_bench(system: str, cmd: list[str], ready_path: str, port: int, model: str, args) -> dict:
     log = open(RESULTS / f".peer_serve_{system}.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -83,11 +92,12 @@ def serve_and_bench(system: str, cmd: list[str], ready_path: str, port: int, mod
     try:
         wait_http(f"http://127.0.0.1:{port}{ready_path}", proc, args.ready_timeout)
         name = Path(model).name
+        warm_up(f"http://127.0.0.1:{port}", name)
         for c in args.concurrency:
             n = args.num_prompts if c > 1 else args.num_prompts_single
             results[str(c)] = bench_client(args.peer, f"http://127.0.0.1:{port}", name, model, c, n, args)
             print(f"{system} concurrency {c}: {results[str(c)]}", flush=True)
-    except (RuntimeError, TimeoutError) as e:
+    except (RuntimeError, OSError) as e:      # OSError: a timeout, or the warm-up refused
         results = {"error": str(e)}
     finally:
         stop(proc)
