@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.peer_offline import DEFAULT_PEER  # noqa: E402
-from bench.peer_serve import RESULTS, serve_and_bench  # noqa: E402
+from bench.peer_serve import RESULTS, pair_rows, serve_and_bench  # noqa: E402
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
 from shared.launcher import free_port  # noqa: E402
 
@@ -90,18 +90,8 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
     for kind, runs in rep["files"].items():
         for c in concurrency:
             k, ll = (runs.get(s, {}) for s in ("kaiten", "llama-server"))
-            kr, lr = k.get(str(c), k), ll.get(str(c), ll)
-            ratio = ""
-            if kr.get("output_throughput") and lr.get("output_throughput"):
-                ratio = f"**{kr['output_throughput'] / lr['output_throughput']:.2f}x**"
-            for name, r in (("kaiten serve", kr), ("llama-server", lr)):
-                if not r or "error" in r:
-                    lines.append(f"| {kind} | {c} | {name} | {(r or {}).get('error', 'not run')} | | | | | |")
-                    continue
-                f = lambda key: "" if r.get(key) is None else f"{r[key]:.1f}"  # noqa: E731
-                lines.append(f"| {kind} | {c} | {name} | {r.get('completed')} | {r.get('failed', 0)} "
-                             f"| {f('output_throughput')} | {ratio if name == 'kaiten serve' else ''} "
-                             f"| {f('median_ttft_ms')} | {f('median_tpot_ms')} |")
+            lines += pair_rows(f"{kind} | {c}", k.get(str(c), k), ll.get(str(c), ll), ("kaiten serve", "llama-server"),
+                               ("median_ttft_ms", "median_tpot_ms"))
     return "\n".join(lines) + "\n"
 
 

@@ -157,19 +157,27 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
     systems = rep["systems"]
     for c in concurrency:
         k, v = (systems.get(s, {}) for s in ("kaiten", "vllm"))
-        kr, vr = k.get(str(c), k), v.get(str(c), v)
-        ratio = ""
-        if kr.get("output_throughput") and vr.get("output_throughput"):
-            ratio = f"**{kr['output_throughput'] / vr['output_throughput']:.2f}x**"
-        for name, r in (("Kaiten", kr), ("vllm serve", vr)):
-            if not r or "error" in r:
-                lines.append(f"| {c} | {name} | {(r or {}).get('error', 'not run')} | | | | | | | |")
-                continue
-            f = lambda key: "" if r.get(key) is None else f"{r[key]:.1f}"  # noqa: E731
-            lines.append(f"| {c} | {name} | {r.get('completed')} | {r.get('failed', 0)} | {f('output_throughput')} "
-                         f"| {ratio if name == 'Kaiten' else ''} | {f('median_ttft_ms')} | {f('p99_ttft_ms')} "
-                         f"| {f('median_tpot_ms')} | {f('median_itl_ms')} |")
+        lines += pair_rows(str(c), k.get(str(c), k), v.get(str(c), v), ("Kaiten", "vllm serve"),
+                           ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms"))
     return "\n".join(lines) + "\n"
+
+
+def pair_rows(lead: str, ours: dict, theirs: dict, names: tuple[str, str], keys: tuple[str, ...]) -> list[str]:
+    """A results table's rows for one run of each server: the `lead` cells, the name, completed,
+    failed, output tok/s, ours / theirs (on our row), then the `keys`."""
+    ratio = ""
+    if ours.get("output_throughput") and theirs.get("output_throughput"):
+        ratio = f"**{ours['output_throughput'] / theirs['output_throughput']:.2f}x**"
+    rows = []
+    for name, r in zip(names, (ours, theirs)):
+        if not r or "error" in r:
+            rows.append(f"| {lead} | {name} | {(r or {}).get('error', 'not run')} |" + " |" * (3 + len(keys)))
+            continue
+        f = lambda key: "" if r.get(key) is None else f"{r[key]:.1f}"  # noqa: E731
+        cells = [str(r.get("completed")), str(r.get("failed", 0)), f("output_throughput"),
+                 ratio if name == names[0] else "", *map(f, keys)]
+        rows.append(f"| {lead} | {name} | " + " | ".join(cells) + " |")
+    return rows
 
 
 if __name__ == "__main__":
