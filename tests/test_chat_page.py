@@ -187,6 +187,11 @@ def stack(browser, tiny_model_dir, redis_server):
     try:
         gateway.start()
         gateway.wait_ready(timeout=90)
+        # One request first: the engine compiles its step on the first ones, and a reply that
+        # waits for that arrives in one burst, which the streaming test would take for no stream.
+        warm = httpx.post(gateway.url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4},
+                          timeout=120)
+        assert warm.status_code == 200, warm.text
         yield Stack(tiny_model_dir, redis_server.url, gateway, engine, engine_log, tap)
     except BaseException:
         log_file.flush()

@@ -121,6 +121,43 @@ def test_streams_and_bodies_match_the_models(stack):
         ChatCompletionResponse.model_validate(c.post("/v1/chat/completions", json=chat | tools).json())
 
 
+def test_stream_events_match_the_spec(stack):
+    """Every event of a real stream, [DONE] included, is valid under the spec's text/event-stream
+    schema, checked as Schemathesis' response check does (that check meets a stream only when its
+    fuzzer happens on a valid streaming request)."""
+    import jsonschema_rs
+    from schemathesis.specs.openapi.content_keywords import SseValidator
+    srv, model = stack["srv"], stack["model"]
+    spec = httpx.get(srv.url + "/openapi.json", trust_env=False, timeout=30).json()
+    bodies = {"/v1/completions": {"prompt": "hi"},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}
+    for path, body in bodies.items():
+        event = spec["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+        validator = SseValidator(_inline(event, spec["components"]["schemas"]), jsonschema_rs.Draft202012Validator)
+        with httpx.stream("POST", srv.url + path, json=body | {"model": model, "max_tokens": 3, "stream": True},
+                          trust_env=False, timeout=60) as r:
+            data = [ln.removeprefix("data: ") for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert data[-1] == "[DONE]" and len(data) >= 2
+        with validator.with_deserializer(lambda media_type, payload: json.loads(payload)):
+            for d in data:
+                validator.validate({"data": d, "event": "message"})
+            with pytest.raises(jsonschema_rs.ValidationError):
+                validator.validate({"data": json.dumps({"not": "a chunk"}), "event": "message"})
+
+
+def _inline(node, schemas: dict):
+    """`node` with every #/components/schemas/ reference replaced by its schema (as Schemathesis
+    bundles them before it validates an embedded payload)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref", "")
+        if ref.startswith("#/components/schemas/"):
+            return _inline(schemas[ref.rsplit("/", 1)[1]], schemas)
+        return {k: _inline(v, schemas) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(v, schemas) for v in node]
+    return node
+
+
 def test_bodies_are_written_through_their_models():
     """encode: only declared fields with their declared types; optional fields left out stay out."""
     from pydantic import ValidationError

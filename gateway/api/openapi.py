@@ -33,9 +33,12 @@ def _responses(ok: type[BaseModel] | None, errors: dict[str, str], stream: type[
                ok_content: dict | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     content = ok_content if ok_content is not None else _json(ok) if ok is not None else None
-    if stream is not None:      # each event's data is a chunk's JSON (the last one: [DONE])
+    if stream is not None:      # the schema of one event: its data is a chunk's JSON, an error's, or [DONE]
         content = {**content, "text/event-stream": {"schema": {
-            "type": "string", "contentMediaType": "application/json", "contentSchema": _ref(stream),
+            "type": "object", "required": ["data"], "properties": {"data": {"oneOf": [
+                {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [_ref(stream), _ref(r.ErrorResponse)]}},
+                {"const": "[DONE]"}]}},
             "description": f"with \"stream\": true: `data: <{stream.__name__}>` events (an error: "
                            "`data: <ErrorResponse>`), then `data: [DONE]`"}}}
     out["200"] = {"description": "OK", **({"content": content} if content else {})}
