@@ -20,7 +20,8 @@ names the latter); gateways do not show that token as text.
 
 Versions: 1 had ``request``, ``abort`` and ``tokens``. 2 added the continuation fields of a request
 (``num_generated``, ``first_seq``), ``TokenBatch.admitted`` and ``handoff``. A decoder accepts
-both; a version-1 message simply has none of the new fields.
+both; a version-1 message simply has none of the new fields. 3 added ``lora_name`` to a request
+(the LoRA adapter to run it through; "" for the base model, and left out on the wire then).
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 HANDOFF_REASONS = ("shutdown", "engine_lost", "restarted")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -52,6 +53,7 @@ class GenerateRequest:
     # output from an engine that was lost; its deltas are numbered from `first_seq`.
     num_generated: int = 0
     first_seq: int = 0
+    lora_name: str = ""                 # LoRA adapter to run through; "" for the base model
     T = "request"
 
 
@@ -156,6 +158,7 @@ def _decode_request(body: dict) -> GenerateRequest:
     _check(isinstance(req.prompt_token_ids, list) and all(type(t) is int for t in req.prompt_token_ids),
            "request: prompt_token_ids must be a list of ints")
     _check(isinstance(req.params, dict), "request: params must be a map")
+    _check(isinstance(req.lora_name, str), "request: lora_name must be a string")
     for name in ("num_generated", "first_seq"):
         _check(type(getattr(req, name)) is int and getattr(req, name) >= 0, f"request: {name} must be an int >= 0")
     _check(req.num_generated < max(1, len(req.prompt_token_ids)),

@@ -23,12 +23,21 @@ def test_continuation_fields_round_trip_and_are_left_out_at_their_default():
         decode(encode(GenerateRequest("r", "gw", [1, 2], {}, first_seq=-1)))
 
 
+def test_lora_name_round_trips_and_is_left_out_for_the_base_model():
+    req = GenerateRequest("r", "gw", [1, 2], {}, lora_name="sql-adapter")
+    assert decode(encode(req)) == req
+    assert "lora_name" not in msgpack.unpackb(encode(GenerateRequest("r", "gw", [1], {})), raw=False)
+    body = msgpack.unpackb(encode(req), raw=False)
+    with pytest.raises(ProtocolError, match="lora_name"):
+        decode(msgpack.packb({**body, "lora_name": 7}))
+
+
 def test_version_1_messages_still_decode():
     body = {"v": 1, "t": "tokens", "engine_id": "e", "deltas": [{"request_id": "r", "seq": 0, "token_ids": [7]}]}
     batch = decode(msgpack.packb(body))
     assert batch.admitted == [] and batch.deltas[0].token_ids == [7]
     with pytest.raises(ProtocolError, match="version"):
-        decode(msgpack.packb({**body, "v": 3}))
+        decode(msgpack.packb({**body, "v": PROTOCOL_VERSION + 1}))
 
 
 def test_handoff_round_trips_and_is_validated():

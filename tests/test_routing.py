@@ -50,6 +50,15 @@ def test_block_hash_is_the_same_in_every_process():
     assert prefix_block_hashes(tokens[:15], 16) == []
 
 
+def test_adapters_chain_from_their_own_root():
+    from shared.block_hash import ROOT, prefix_block_hashes, root_hash
+    ids = list(range(40))
+    assert root_hash("") == ROOT and root_hash("a") != root_hash("b") != ROOT
+    base, a, b = (prefix_block_hashes(ids, 16, lora_name=n) for n in ("", "a", "b"))
+    assert len(base) == len(a) == 2 and not set(base) & set(a) and not set(a) & set(b)
+    assert prefix_block_hashes(ids, 16) == base
+
+
 def test_block_list_round_trips_and_rejects_junk():
     assert unpack_blocks(pack_blocks(7, [1, 2**64 - 1])) == (7, frozenset({1, 2**64 - 1}))
     for bad in (b"", b"123", None):
