@@ -319,7 +319,7 @@ async def run_round(stack: Stack, tap: ReplyTap, r, rnd: Round, prompts: list[li
     rnd.order = [s.request_id for s in streams]
     rnd.victim_exit_s = await exited
     survivors = [e for e in live if e != rnd.victim]
-    await no_pending_entries(r, args.timeout)
+    await no_pending_entries(r, names.request_stream(Path(stack.model).name), args.timeout)
     after = fresh_heartbeats(r, survivors)
     measure(rnd, tap, streams, ids, t_sig, args)
     engine_accounting(rnd, tap, ids, before, after, survivors)
@@ -344,12 +344,12 @@ async def wait_streaming(tasks, tap: ReplyTap, args) -> list[str]:
     raise RuntimeError("the streams did not reach --signal-after tokens in time")
 
 
-async def no_pending_entries(r, timeout: float) -> None:
+async def no_pending_entries(r, stream: str, timeout: float) -> None:
     """Until no stream entry is pending: a SIGKILLed engine's originals stay pending until a
     survivor's janitor claims them (idle claim_idle_ms, 10 s) and hands them back; the counts wait
     for that, so a claimed entry that ran would show."""
     deadline = time.monotonic() + timeout
-    while r.xpending(names.REQUEST_STREAM, names.ENGINE_GROUP)["pending"] and time.monotonic() < deadline:
+    while r.xpending(stream, names.ENGINE_GROUP)["pending"] and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
 
 

@@ -84,8 +84,15 @@ def _worker(model_dir: str) -> None:
     tok = make_tokenizer(model_dir, "", ChatTokenizer.from_pretrained(model_dir))
     loop = asyncio.new_event_loop()
     raw = json.dumps(TYPICAL_CHAT).encode()
-    ctxs = {case: ModelContext(names=["tiny"], max_model_len=2048, vocab_size=384, max_n=8, tokenizer=t)
-            for case, t in (("parse", tok), ("parse_fixed_ids", FixedIds()))}
+    # Before the models registry (issue 24) parse_chat took the context; since, a resolver of "model".
+    single = "names" in ModelContext.__dataclass_fields__
+
+    def context(t):
+        if single:
+            return ModelContext(names=["tiny"], max_model_len=2048, vocab_size=384, max_n=8, tokenizer=t)
+        ctx = ModelContext(name="tiny", max_model_len=2048, vocab_size=384, max_n=8, tokenizer=t)
+        return lambda model, c=ctx: c
+    ctxs = {case: context(t) for case, t in (("parse", tok), ("parse_fixed_ids", FixedIds()))}
     parsed = loop.run_until_complete(parse_chat(body_of(raw, MAX_JSON_DEPTH), ctxs["parse"]))
 
     async def stream() -> int:

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared import names
-
 
 @dataclass(frozen=True, slots=True)
 class HeldRequest:
@@ -15,7 +13,7 @@ class HeldRequest:
     entry_id: bytes
     reply_to: str
     deadline: float | None           # gateway clock, unix seconds
-    stream: str = names.REQUEST_STREAM
+    stream: str                      # the model's shared stream, or this engine's own
 
 
 class HeldRequests:

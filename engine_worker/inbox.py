@@ -1,4 +1,5 @@
-"""What the Redis threads hand to the engine loop: stream entries, aborts, requests to stop.
+"""What the Redis threads hand to the engine loop: stream entries, aborts, requests to stop, and
+control messages (adapters to load or unload).
 
 Readers ``put_*``; the loop ``take()``s everything at the top of each step. The request reader
 reads no more entries than the loop's last ``set_capacity``, minus what waits here or was taken
@@ -8,7 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from shared import names
+from shared.protocol import Control
 
 
 @dataclass(slots=True)
@@ -17,7 +18,7 @@ class StreamEntry:
     fields: dict | None          # None: the entry was deleted while pending
     deliveries: int
     source: str                  # "new", "pending" (own, re-read), "claimed from X", "orphan"
-    stream: str = names.REQUEST_STREAM   # the shared stream, or an engine's own (routed)
+    stream: str                  # the model's shared stream, or an engine's own (routed)
 
     @property
     def taken_over(self) -> bool:
@@ -36,9 +37,10 @@ class Arrivals:
     entries: list[StreamEntry] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     stops: list[Stop] = field(default_factory=list)
+    controls: list[Control] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.entries or self.aborts or self.stops)
+        return bool(self.entries or self.aborts or self.stops or self.controls)
 
 
 class Inbox:
@@ -56,6 +58,9 @@ class Inbox:
 
     def put_stops(self, stops: list[Stop]) -> None:
         self._put(lambda b: b.stops.extend(stops), bool(stops))
+
+    def put_controls(self, controls: list[Control]) -> None:
+        self._put(lambda b: b.controls.extend(controls), bool(controls))
 
     def _put(self, add, nonempty: bool) -> None:
         if not nonempty:

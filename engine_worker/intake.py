@@ -29,7 +29,7 @@ def decode_entry(entry: StreamEntry, max_deliveries: int) -> GenerateRequest:
             raise ProtocolError(f"entry has no {names.PAYLOAD_FIELD.decode()!r} field")
         msg = decode(payload)
         if not isinstance(msg, GenerateRequest):
-            raise ProtocolError(f"expected a request message on {names.REQUEST_STREAM}, got {msg.T!r}")
+            raise ProtocolError(f"expected a request message on {entry.stream}, got {msg.T!r}")
         if msg.deadline is not None and (not isinstance(msg.deadline, (int, float)) or isinstance(msg.deadline, bool)):
             raise ProtocolError("request: deadline must be a number or nil")
     except ProtocolError as e:

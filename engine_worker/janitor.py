@@ -5,7 +5,9 @@ re-claims this consumer's orphans (entries delivered to it by a read whose reply
 them to the loop through the inbox. A dead engine's own stream (requests routed to it) is emptied
 the same way, its unread entries too, and deleted once empty. The loop hands every taken-over entry
 back to its gateway, dead-letters entries delivered too often and skips aborted ones. A live
-engine's long generations are never taken from it, however old."""
+engine's long generations are never taken from it, however old. Claims cover this engine's model's
+shared stream; a dead engine's own stream is emptied whatever its model (its entries are only
+handed back, never run, so the gateway resubmits them to their model's stream)."""
 from __future__ import annotations
 
 import logging
@@ -27,8 +29,9 @@ CLAIM_COUNT = 100
 
 class Janitor:
     def __init__(self, client: redis.Redis, inbox: Inbox, held: HeldRequests, cfg: WorkerConfig,
-                 counters: Counters):
+                 counters: Counters, model: str):
         self.r, self.inbox, self.held, self.cfg, self.counters = client, inbox, held, cfg, counters
+        self.model_stream = names.request_stream(model)
         self.engine_id = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -50,7 +53,7 @@ class Janitor:
                 self.inbox.put_entries(claimed)
 
     def run_once(self) -> list[StreamEntry]:
-        streams = [names.REQUEST_STREAM, names.engine_stream(self.engine_id)]
+        streams = [self.model_stream, names.engine_stream(self.engine_id)]
         dead = self._dead_engine_streams()
         claimed: list[StreamEntry] = []
         for stream in streams + list(dead):

@@ -71,7 +71,7 @@ class Publisher:
         """Tell the gateway to move the request elsewhere (after the tokens it was sent)."""
         self._handoffs.setdefault((reply_to, reason), []).append(request_id)
 
-    def done(self, entry_id: bytes, stream: str = names.REQUEST_STREAM) -> None:
+    def done(self, entry_id: bytes, stream: str) -> None:
         """The request stream entry is finished with: acknowledge and delete it."""
         self._held_back.done_entries.append((stream, entry_id))
 

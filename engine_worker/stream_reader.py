@@ -2,11 +2,12 @@
 so what arrives during a step is in the inbox when the next step starts.
 
 ``RequestReader``: XREADGROUP on this engine's own stream (requests routed to it) first, then on
-the shared ``kaiten:requests`` (as much as the engine has room for; when both are empty it waits on
+its model's shared stream ``names.request_stream(model)`` (as much as the engine has room for; when both are empty it waits on
 both at once, one entry each, so a lone free slot may take two), creating the consumer groups when
 they are missing (first start, or Redis restarted empty). ``AbortReader``:
-XREAD of ``kaiten:aborts`` (every engine reads every abort). While Redis is unreachable both retry
-with exponential backoff."""
+XREAD of ``kaiten:aborts`` (every engine reads every abort). ``ControlReader``: XREAD of the model's
+``names.control_stream`` from its start (adapters loaded and unloaded at run time, replayed by an
+engine that starts later). While Redis is unreachable each retries with exponential backoff."""
 from __future__ import annotations
 
 import logging
@@ -18,14 +19,14 @@ from engine_worker.inbox import Inbox, StreamEntry
 from engine_worker.worker_stats import Counters
 from shared import names
 from shared.config import WorkerConfig
-from shared.protocol import Abort, ProtocolError, decode
+from shared.protocol import Abort, Control, ProtocolError, decode
 
 log = logging.getLogger("kaiten.worker")
 
 ABORT_READ_COUNT = 1000
 
 
-def ensure_group(r: redis.Redis, stream: str = names.REQUEST_STREAM) -> bool:
+def ensure_group(r: redis.Redis, stream: str) -> bool:
     """Create the engines' consumer group (and the stream); True if it was missing."""
     try:
         r.xgroup_create(stream, names.ENGINE_GROUP, id="0", mkstream=True)
@@ -58,7 +59,7 @@ def to_bytes(x) -> bytes:
     return x if isinstance(x, bytes) else str(x).encode()
 
 
-def delivery_counts(r: redis.Redis, consumer: str, stream: str = names.REQUEST_STREAM) -> dict[bytes, int]:
+def delivery_counts(r: redis.Redis, consumer: str, stream: str) -> dict[bytes, int]:
     counts: dict[bytes, int] = {}
     start = "-"
     while True:
@@ -112,15 +113,16 @@ class _Reader:
 class RequestReader(_Reader):
     name = "request-reader"
 
-    def __init__(self, client, inbox, cfg, counters):
+    def __init__(self, client, inbox, cfg, counters, model: str):
         super().__init__(client, inbox, cfg, counters)
         self.engine_id = ""
         self.own_stream = ""
+        self.model_stream = names.request_stream(model)
         self.accepting = True              # False once stopping: read nothing more
 
     @property
     def streams(self) -> tuple[str, str]:
-        return self.own_stream, names.REQUEST_STREAM     # own first
+        return self.own_stream, self.model_stream     # own first
 
     def prepare(self, engine_id: str) -> None:
         """Create the groups and hand the inbox this consumer's pending entries (then start_thread)."""
@@ -200,18 +202,36 @@ class AbortReader(_Reader):
         self._read(block=self.cfg.idle_block_ms)
 
     def _read(self, block: int | None) -> None:
-        res = self.r.xread({names.ABORT_STREAM: self.last_id}, count=ABORT_READ_COUNT, block=block)
-        if not res:
-            return
-        ids = []
-        for entry_id, fields in res[0][1]:
-            self.last_id = entry_id
-            try:
-                msg = decode(fields.get(names.PAYLOAD_FIELD, b""))
-                if not isinstance(msg, Abort):
-                    raise ProtocolError(f"expected an abort, got {msg.T!r}")
-            except ProtocolError as e:
-                log.warning("ignoring malformed abort entry %s: %s", entry_id, e)
-                continue
-            ids.append(msg.request_id)
-        self.inbox.put_aborts(ids)
+        aborts = xread_messages(self, names.ABORT_STREAM, Abort, block)
+        self.inbox.put_aborts([a.request_id for a in aborts])
+
+
+def xread_messages(reader, stream: str, kind: type, block: int | None) -> list:
+    """The next messages of `kind` on `stream` after ``reader.last_id`` (moved on past them); a
+    malformed entry is logged and skipped."""
+    res = reader.r.xread({stream: reader.last_id}, count=ABORT_READ_COUNT, block=block)
+    out = []
+    for entry_id, fields in res[0][1] if res else ():
+        reader.last_id = entry_id
+        try:
+            msg = decode(fields.get(names.PAYLOAD_FIELD, b""))
+            if not isinstance(msg, kind):
+                raise ProtocolError(f"expected a {kind.T} message, got {msg.T!r}")
+        except ProtocolError as e:
+            log.warning("ignoring malformed %s entry %s: %s", kind.T, entry_id, e)
+            continue
+        out.append(msg)
+    return out
+
+
+class ControlReader(_Reader):
+    """Every control message of this engine's model, in order, from the stream's start."""
+    name = "control-reader"
+
+    def __init__(self, client, inbox, cfg, counters, model: str):
+        super().__init__(client, inbox, cfg, counters)
+        self.stream = names.control_stream(model)
+        self.last_id: bytes | str = "0-0"
+
+    def _read_once(self) -> None:
+        self.inbox.put_controls(xread_messages(self, self.stream, Control, self.cfg.idle_block_ms))

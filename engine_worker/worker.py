@@ -38,6 +38,7 @@ import time
 import uuid
 
 from engine_worker.consumer_id import choose_engine_id, default_engine_id
+from engine_worker.control import Controls
 from engine_worker.held import BoundedSet, HeldRequest, HeldRequests
 from engine_worker.heartbeat import Heartbeat
 from engine_worker.inbox import Arrivals, Inbox, StreamEntry
@@ -48,7 +49,7 @@ from engine_worker.metrics import EngineMetrics
 from engine_worker.orphan_watch import OrphanWatch
 from engine_worker.publisher import Outgoing, Publisher
 from engine_worker.engine.sampling_params import SamplingParams
-from engine_worker.stream_reader import AbortReader, RequestReader
+from engine_worker.stream_reader import AbortReader, ControlReader, RequestReader
 from engine_worker.worker_stats import Counters, LatencyStats
 from shared import names
 from shared.config import EngineConfig, WorkerConfig
@@ -73,6 +74,7 @@ class EngineWorker:
             from engine_worker.engine.llm_engine import LLMEngine
             engine = LLMEngine(engine_config)
         self.engine = engine
+        self.model = cfg.served_model_name or engine.model_name     # the served name: its streams
         self.explicit_id = bool(cfg.engine_id)
         self.engine_id = cfg.engine_id or default_engine_id()
         self.instance = uuid.uuid4().hex[:12]
@@ -82,15 +84,19 @@ class EngineWorker:
         self.recent_aborts = BoundedSet(RECENT_ABORTS_MAX)
         self.publisher = Publisher(self.engine_id)
         self.round = IoRound(self._client("round"), cfg.io_thread)
-        self.requests = RequestReader(self._client("requests", blocking=True), self.inbox, cfg, self.counters)
+        self.requests = RequestReader(self._client("requests", blocking=True), self.inbox, cfg, self.counters,
+                                      self.model)
         self.aborts = AbortReader(self._client("aborts", blocking=True), self.inbox, cfg, self.counters)
+        self.control_reader = ControlReader(self._client("control", blocking=True), self.inbox, cfg, self.counters,
+                                            self.model)
+        self.controls = Controls(engine)
         self.heartbeat = Heartbeat(self._client("heartbeat"), self.instance, cfg.heartbeat_interval,
                                    cfg.heartbeat_ttl, cfg.loop_stall_timeout, self._static_facts())
-        self.janitor = Janitor(self._client("janitor"), self.inbox, self.held, cfg, self.counters)
+        self.janitor = Janitor(self._client("janitor"), self.inbox, self.held, cfg, self.counters, self.model)
         self.orphans = OrphanWatch(self._client("orphans"), self.inbox, self.held, cfg.orphan_check_interval)
         self.step_stats = LatencyStats()        # engine.step() wall time
         self.round_stats = LatencyStats()       # the per-step Redis round trip (on the I/O thread)
-        self.metrics = EngineMetrics(engine.model_name, self.engine_id, self.counters)   # relabelled in _connect
+        self.metrics = EngineMetrics(self.model, self.engine_id, self.counters)   # relabelled in _connect
         self.redis_up = True
         self._retry_at = 0.0
         self._backoff = 0.0
@@ -110,7 +116,7 @@ class EngineWorker:
 
     def _static_facts(self) -> dict:
         e = self.engine
-        return {"model": e.model_name, "max_model_len": int(e.max_model_len),
+        return {"model": self.model, "model_path": str(self.engine_config.model), "max_model_len": int(e.max_model_len),
                 "vocab_size": int(getattr(e, "vocab_size", 0)),
                 "dtype": self.engine_config.dtype, "device": self.engine_config.device,
                 "block_size": int(e.block_size),
@@ -142,7 +148,7 @@ class EngineWorker:
                                                   self.cfg.heartbeat_interval)
                 self.publisher.engine_id = self.engine_id
                 self.heartbeat.engine_id = self.engine_id
-                self.metrics = EngineMetrics(self.engine.model_name, self.engine_id, self.counters)
+                self.metrics = EngineMetrics(self.model, self.engine_id, self.counters)
                 self.heartbeat.update(self._live_stats())
                 self.heartbeat.write()          # registers the name at once
                 self.aborts.prepare()
@@ -155,12 +161,13 @@ class EngineWorker:
         else:
             return
         self.aborts.start_thread()
+        self.control_reader.start_thread()
         self.requests.start_thread()
         self.heartbeat.start(self.engine_id)
         self.janitor.start(self.engine_id)
         self.orphans.start()
-        log.info("engine %s: consuming %s as %r in group %r", self.instance, names.REQUEST_STREAM, self.engine_id,
-                 names.ENGINE_GROUP)
+        log.info("engine %s: consuming %s as %r in group %r", self.instance, self.requests.model_stream,
+                 self.engine_id, names.ENGINE_GROUP)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -214,6 +221,7 @@ class EngineWorker:
         st["capacity"] = int(self.engine.free_capacity()) if self.accepting else 0
         st["accepting"] = self.accepting
         st["counters"] = self.counters.snapshot()
+        st.update(self.controls.announce())
         return st
 
     # ------------------------------------------------------------------ arrivals
@@ -222,6 +230,8 @@ class EngineWorker:
             self._admit(entry)
         for rid in arrivals.aborts:
             self._abort(rid)
+        if arrivals.controls:
+            self.controls.apply(arrivals.controls)
         for stop in arrivals.stops:
             if self.held.get(stop.request_id) is not None and self.engine.abort_request(stop.request_id):
                 self.counters.add("stopped_" + stop.reason)
@@ -370,7 +380,7 @@ class EngineWorker:
             self.requests.delete_own_if_empty()
         except Exception as e:      # Redis down: another engine's janitor deletes it
             log.debug("could not delete the own stream: %s", e)
-        for job in (self.aborts, self.janitor, self.orphans):
+        for job in (self.aborts, self.control_reader, self.janitor, self.orphans):
             job.stop()
         self.heartbeat.stop(delete=self.started.is_set())
         self.round.close()

@@ -40,13 +40,15 @@ from .api import openapi
 from .api.errors import APIError, bad_request
 from .api.http_common import authorized, check_auth, gateway_of, json_response, read_body, token_from, ws_subprotocol
 from .api.json_body import parse_json
+from .api.lora_api import load_lora_adapter, unload_lora_adapter
 from .api.openai_api import parse_chat, parse_completion
 from .api.origins import origin_allowed
 from .api.response_models import ModelCard, ModelList
 from .api.responses import SSEResponse, chat_response, chat_sse, collect, completion_response, completion_sse
 from .api.tokenize_api import detokenize, tokenize
 from .api.unhandled import CatchUnhandled
-from .core import Gateway, resolve_model_dir
+from .core import Gateway
+from .api.lora_api import load_lora_adapter, unload_lora_adapter
 from .metrics import CONTENT_TYPE_LATEST
 
 log = logging.getLogger("kaiten.gateway")
@@ -76,7 +78,7 @@ async def _run_unstreamed(request: Request, gw: Gateway, gens, build) -> Respons
         if work not in done:
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            gw.metrics.error("client_disconnected")
+            gens[0].state.model.metrics.error("client_disconnected")
             return Response(status_code=499)
         try:
             pieces = work.result()
@@ -96,15 +98,16 @@ async def _generate(request: Request, parse, id_prefix: str, stream, respond) ->
     then `stream(gw, parsed, gens, rid, created)` as SSE or, unstreamed, the JSON bytes that
     `await respond(gw, parsed, gens, pieces, rid, created)` builds."""
     gw = gateway_of(request)
+    parsed = None
     try:
         check_auth(request)
         body = await read_body(request, gw.config.max_body_bytes, gw.config.max_json_depth)
-        parsed = await parse(body, gw.model_context())
+        parsed = await parse(body, gw.resolve)
         gw.admit(parsed)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
         gens = await gw.submit(parsed, rid)
     except APIError as e:
-        gw.metrics.rejected(e.status)
+        gw.metrics_of(parsed).rejected(e.status)
         return e.response()
     created = int(time.time())
     if parsed.stream:
@@ -117,7 +120,7 @@ async def _completion_body(gw: Gateway, parsed, gens, pieces, rid: str, created:
     if parsed.echo:
         for g in gens:
             texts[g.sub.index] = (g.sub.prompt_text if g.sub.prompt_text is not None
-                                  else await gw.tokenizer.decode(g.sub.prompt_ids))
+                                  else await parsed.ctx.tokenizer.decode(g.sub.prompt_ids))
     return completion_response(gw, parsed, gens, pieces, rid, created, texts)
 
 
@@ -133,12 +136,24 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, parse_chat, "chatcmpl", chat_sse, _chat_body)
 
 
-def _model_card(gw: Gateway) -> dict[str, Any]:
-    """The served model. Listed always: a gateway serves one model, also while its engines load
-    or restart (`engines` says how many are up now)."""
-    return {"id": gw.served_model_name, "object": "model", "created": int(gw.started_at), "owned_by": "kaiten",
-            "root": gw.model_dir or gw.served_model_name, "parent": None, "max_model_len": gw.max_model_len(),
-            "engines": len(gw.monitor.live_engines())}
+def _model_cards(gw: Gateway) -> list[dict[str, Any]]:
+    """Every model, also while its engines load or restart (`engines` says how many are up now),
+    then every adapter its engines announce (vLLM's cards: `parent` is the base model)."""
+    cards = [_base_card(m) for m in gw.models.models.values()]
+    for name, (model, path) in gw.models.adapters().items():
+        cards.append(_adapter_card(name, model, path))
+    return cards
+
+
+def _base_card(m) -> dict[str, Any]:
+    return {"id": m.name, "object": "model", "created": m.created, "owned_by": "kaiten", "root": m.model_dir or m.name,
+            "parent": None, "max_model_len": m.max_model_len(), "engines": len(m.view.live)}
+
+
+def _adapter_card(name: str, m, path: str) -> dict[str, Any]:
+    engines = sum(1 for e in m.view.live if name in (e.heartbeat.get("adapters") or {}))
+    return {"id": name, "object": "model", "created": m.created, "owned_by": "kaiten", "root": path,
+            "parent": m.name, "max_model_len": m.max_model_len(), "engines": engines}
 
 
 async def models(request: Request) -> Response:
@@ -147,19 +162,19 @@ async def models(request: Request) -> Response:
         check_auth(request)
     except APIError as e:
         return e.response()
-    return json_response(ModelList, {"object": "list", "data": [_model_card(gw)]})
+    return json_response(ModelList, {"object": "list", "data": _model_cards(gw)})
 
 
 async def model_detail(request: Request) -> Response:
     gw = gateway_of(request)
     try:
         check_auth(request)
+        model, lora_name = gw.models.resolve(request.path_params["model"])
     except APIError as e:
         return e.response()
-    name = request.path_params["model"]
-    if name not in gw.model_names:
-        return APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found").response()
-    return json_response(ModelCard, _model_card(gw))
+    if lora_name:
+        return json_response(ModelCard, _adapter_card(lora_name, model, gw.models.adapters()[lora_name][1]))
+    return json_response(ModelCard, _base_card(model))
 
 
 # ---------------------------------------------------------------------- operations
@@ -211,9 +226,7 @@ async def status(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    gw = gateway_of(request)
-    gw.metrics.update_load(gw.monitor.load())
-    return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(gateway_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def openapi_json(request: Request) -> Response:
@@ -268,11 +281,11 @@ async def chat_ws(websocket: WebSocket) -> None:
     active: dict[str, asyncio.Task] = {}
 
     async def run_chat(cid: str, data: dict) -> None:
-        gens = None
+        gens = parsed = None
         finished = False
         try:
             body = {k: v for k, v in data.items() if k not in ("type", "id")}
-            parsed = await parse_chat(body, gw.model_context(), force_stream=True, allowed=WS_CHAT_FIELDS)
+            parsed = await parse_chat(body, gw.resolve, force_stream=True, allowed=WS_CHAT_FIELDS)
             gw.admit(parsed)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             gens = await gw.submit(parsed, rid)
@@ -287,13 +300,13 @@ async def chat_ws(websocket: WebSocket) -> None:
                         "usage": _ws_usage(g), "metrics": g.metrics_summary()})
         except APIError as e:
             if gens is None:
-                gw.metrics.rejected(e.status)
+                gw.metrics_of(parsed).rejected(e.status)
             else:
                 gw.record(gens, e)
             await send_error(cid, e)
         except asyncio.CancelledError:
             if gens is not None and not finished:
-                gw.metrics.error("cancelled")
+                gw.metrics_of(parsed).error("cancelled")
                 g = gens[0]
                 await send({"type": "done", "id": cid, "finish_reason": "cancelled", "usage": _ws_usage(g),
                             "metrics": g.metrics_summary()})
@@ -395,6 +408,8 @@ def create_app(config: GatewayConfig | None = None, *, gateway_id: str | None = 
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model_detail, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/status", status, methods=["GET"]),
@@ -420,8 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kaiten gateway", description="Run one OpenAI-compatible gateway.")
     p.add_argument("--host", default=None, help="bind address (env KAITEN_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (env KAITEN_PORT, default 8000)")
-    p.add_argument("--model", default=None, help="a model directory, a GGUF file or a Hugging Face repo id in the "
-                   "local cache: its tokenizer and served name (env KAITEN_MODEL; default: the default SmolLM2)")
+    p.add_argument("--model", action="append", default=None,
+                   help="a model directory, a GGUF file or a Hugging Face repo id in the local cache: its tokenizer "
+                        "and served name (env KAITEN_MODEL; default: the default SmolLM2); repeat to serve several "
+                        "(--served-model-name and --chat-template apply to the first)")
+    p.add_argument("--models-file", dest="models_file", default=None,
+                   help="a JSON file of more models to serve (shared/models_file.py; env KAITEN_MODELS_FILE). "
+                        "Models whose engines announce a directory this gateway can read are served too")
     p.add_argument("--redis-url", dest="redis_url", default=None, help="Redis URL (env REDIS_URL)")
     p.add_argument("--tokenizer-url", dest="tokenizer_url", default=None,
                    help="tokenizer service URL (env TOKENIZER_URL; empty: tokenize in-process)")
@@ -477,13 +497,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     cfg = GatewayConfig.from_env()
-    kw = {k: getattr(args, k) for k in ("host", "port", "model", "redis_url", "tokenizer_url", "served_model_name",
+    kw = {k: getattr(args, k) for k in ("host", "port", "redis_url", "tokenizer_url", "served_model_name", "models_file",
                                          "chat_template",
                                          "max_queued_requests", "max_queued_tokens", "request_timeout",
                                          "engine_timeout", "failover_timeout", "max_failovers", "redis_grace",
                                          "redis_max_connections", "generation_config", "routing",
                                          "routing_cache_threshold", "routing_balance_abs_threshold",
                                          "routing_balance_rel_threshold", "routing_spill_timeout")}
+    if args.model:
+        kw["model"], kw["extra_models"] = args.model[0], tuple(args.model[1:])
     kw["api_keys"] = tuple(args.api_keys) if args.api_keys else None
     kw["sse_keepalive"] = args.sse_keepalive
     kw["allowed_origins"] = tuple(o for o in args.allowed_origins.split(",") if o) if args.allowed_origins else None
@@ -498,11 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     config = config_from_args(args)
     try:
-        config = config.with_overrides(model=resolve_model_dir(config.model))
-    except ModelNotFoundError as e:
+        app = create_app(config)
+    except (ModelNotFoundError, ValueError) as e:
         print(f"kaiten gateway: {e}", file=sys.stderr)
         return 2
-    app = create_app(config)
     # uvicorn handles SIGTERM/SIGINT while it serves (graceful shutdown), then restores these
     # handlers and re-raises the signal: a no-op here, so a clean stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,16 +10,14 @@ free connection instead of opening more.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from shared import names
 from shared.config import GatewayConfig
-from shared.generation_defaults import load_generation_defaults
+from shared.models_file import load_models_file
 from shared.protocol import Abort, GenerateRequest, encode
 
 from .api.errors import APIError
@@ -32,36 +30,9 @@ from .backend.output import OutputProcessor, RequestState, StopChecker
 from .backend.placement import Placer
 from .backend.router import ReplyRouter
 from .metrics import GatewayMetrics
+from .models import ModelRegistry, ModelSpec, ServedModel, resolve_model_dir
 
 log = logging.getLogger("kaiten.gateway")
-
-DEFAULT_MAX_MODEL_LEN = 2048
-
-
-def resolve_model_dir(model: str) -> str:
-    """--model as a directory: a directory, a GGUF file (converted once), a cached HF repo id, or ""
-    for the default model (shared.model_source)."""
-    from shared.model_source import resolve_model
-    return str(resolve_model(model))
-
-
-def load_chat_template(value: str) -> str | None:
-    """--chat-template: a file's text, or the value itself when it is a template (vLLM's rule)."""
-    if not value:
-        return None
-    path = Path(value)
-    if path.is_file():
-        return path.read_text()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
-
-
-def _model_config(model_dir: str) -> dict[str, Any]:
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def bounded_redis(url: str, max_connections: int, client_name: str, wait_s: float = 10.0):
@@ -69,6 +40,19 @@ def bounded_redis(url: str, max_connections: int, client_name: str, wait_s: floa
     a command that finds them all busy waits (up to `wait_s`) for one to be released."""
     from shared.redis_conn import async_redis_client
     return async_redis_client(url, client_name=client_name, max_connections=max_connections, pool_wait_s=wait_s)
+
+
+def model_specs(config: GatewayConfig) -> list[ModelSpec]:
+    """The models configured: --model (with --served-model-name and --chat-template; "" is the
+    default model, unless other models are named), each further --model, and those of --models-file."""
+    specs = []
+    if config.model or not (config.extra_models or config.models_file):
+        specs.append(ModelSpec(resolve_model_dir(config.model), config.served_model_name, config.chat_template))
+    specs += [ModelSpec(resolve_model_dir(m)) for m in config.extra_models]
+    if config.models_file:
+        for entry in load_models_file(config.models_file):
+            specs.append(ModelSpec(resolve_model_dir(entry.model), entry.served_model_name, entry.chat_template))
+    return specs
 
 
 class Gateway:
@@ -79,23 +63,14 @@ class Gateway:
         self.config = config
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:16]}"
         self.alive_key = names.gateway_alive_key(self.gateway_id)
-        self.model_dir = resolve_model_dir(config.model)
-        self.served_model_name = config.served_model_name or (Path(self.model_dir).name if self.model_dir else "model")
-        self.model_names = [self.served_model_name]
-        dir_name = Path(self.model_dir).name if self.model_dir else ""
-        if dir_name and dir_name not in self.model_names:
-            self.model_names.append(dir_name)
-        cfg = _model_config(self.model_dir) if self.model_dir else {}
-        self._cfg_max_len = int(cfg.get("max_position_embeddings") or 0) or None
-        self._cfg_vocab = int(cfg.get("vocab_size") or 0) or None
-        self.chat_template = load_chat_template(config.chat_template)
-        self.generation_defaults = load_generation_defaults(self.model_dir, config.generation_config)
-        self.metrics = GatewayMetrics(self.served_model_name)
-        # Generated tokens are always detokenized here, in-process; prompts go through `tokenizer`
-        # (the same tokenizer, or the tokenizer service when config.tokenizer_url is set).
-        from tokenizer_service import ChatTokenizer, make_tokenizer
-        self.text_tokenizer = ChatTokenizer.from_pretrained(self.model_dir)
-        self.tokenizer = make_tokenizer(self.model_dir, config.tokenizer_url, self.text_tokenizer)
+        self.metrics = GatewayMetrics()
+        # Generated tokens are always detokenized here, in-process; prompts go through each model's
+        # `tokenizer` (the same tokenizer, or the tokenizer service when config.tokenizer_url is set).
+        # --generation-config names a directory for the first model; auto or vllm holds for every one.
+        mode = config.generation_config if config.generation_config in ("auto", "vllm") else "auto"
+        self.models = ModelRegistry(self.metrics, config.tokenizer_url, mode)
+        for i, spec in enumerate(model_specs(config)):
+            self.models.add(spec, config.generation_config if i == 0 else None)
         self.redis = redis_client
         self._own_redis = redis_client is None
         self.sub_redis = None
@@ -111,10 +86,7 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         from shared.redis_conn import async_redis_client
-        try:
-            await asyncio.wait_for(self.tokenizer.start(), 10.0)
-        except Exception as e:      # the tokenizer service may come up later
-            log.warning("tokenizer not ready yet: %s: %s", type(e).__name__, e)
+        await self.models.start()
         if self.redis is None:
             self.redis = bounded_redis(self.config.redis_url, self.config.redis_max_connections,
                                        f"kaiten-gateway-{self.gateway_id}")
@@ -125,7 +97,8 @@ class Gateway:
                                             health_check_interval=5, retries=1,
                                             client_name=f"kaiten-gateway-sub-{self.gateway_id}")
         self.monitor = EngineMonitor(self.redis, self.config.engine_timeout)
-        self.monitor.on_poll.append(lambda m: self.metrics.update_load(m.load()))
+        self.monitor.watched.update(m.name for m in self.models.models.values())
+        self.monitor.on_poll.append(self._polled)
         c = self.config
         self.placer = Placer(self.monitor, c.routing, c.routing_cache_threshold, c.routing_balance_abs_threshold,
                              c.routing_balance_rel_threshold, c.failover_timeout)
@@ -134,13 +107,12 @@ class Gateway:
                                   failover_timeout=self.config.failover_timeout,
                                   spill_timeout=self.config.routing_spill_timeout)
         self.router.on_abort_needed = self.abort_soon
-        self.failover = Failover(self.redis, self.gateway_id, self.router, self.config.max_failovers, self.metrics,
-                                 self.config.redis_grace)
+        self.failover = Failover(self.redis, self.gateway_id, self.router, self.config.max_failovers,
+                                 self.config.redis_grace, target=self.target)
         self.router.on_move = self.failover.move
         if self.config.redis_grace > 0:          # else a lost reply channel fails what is in flight
             self.router.on_suspend = self.failover.suspend
-        self.router.processor = OutputProcessor(self.text_tokenizer, self.metrics, self.router.counters,
-                                                finish=self._finished,
+        self.router.processor = OutputProcessor(self.router.counters, finish=self._finished,
                                                 fail=self.router.fail, abort=self.abort_soon)
         self.alive = AliveKey(self.config.redis_url, self.gateway_id)
         await asyncio.to_thread(self.alive.set)
@@ -154,13 +126,24 @@ class Gateway:
             await asyncio.wait_for(self.monitor.polled.wait(), 2.0)
         except asyncio.TimeoutError:
             pass
-        log.info("gateway %s serving %s (reply channel %s)", self.gateway_id, self.served_model_name,
+        log.info("gateway %s serving %s (reply channel %s)", self.gateway_id, ", ".join(self.models.models),
                  self.router.channel)
-        log.info("default sampling for unset request fields: %s", self.generation_defaults.describe())
+        for m in self.models.models.values():
+            log.info("%s: default sampling for unset request fields: %s", m.name, m.defaults.describe())
+
+    def _polled(self, monitor: EngineMonitor) -> None:
+        """After each poll: every model's engines and adapters, and its gauges."""
+        self.models.refresh(monitor)
+        in_flight: dict[str, int] = {}
+        for s in self.router.streams.values() if self.router is not None else ():
+            in_flight[s.model.name] = in_flight.get(s.model.name, 0) + 1
+        for m in self.models.models.values():
+            m.metrics.backlog.set(m.view.backlog.lag)
+            m.metrics.in_flight.set(in_flight.get(m.name, 0))
 
     def _finished(self, s: RequestState) -> None:
         self.router.unregister(s.request_id)
-        self.placer.learned(s.engine_id, s.prompt_ids + s.token_ids)
+        self.placer.learned(s.engine_id, s.prompt_ids + s.token_ids, s.lora_name)
 
     async def stop(self) -> None:
         if self.router is not None:
@@ -193,56 +176,52 @@ class Gateway:
                     await client.aclose(close_connection_pool=True)
                 except Exception:
                     pass
-        try:
-            await self.tokenizer.aclose()
-        except Exception:
-            pass
+        await self.models.aclose()
 
-    # ------------------------------------------------------------------ model facts
-    def max_model_len(self) -> int:
-        n = self.monitor.max_model_len() if self.monitor else None
-        if n:
-            return n
-        if self._cfg_max_len:
-            return self._cfg_max_len
-        tl = getattr(self.tokenizer, "model_max_length", None)
-        if isinstance(tl, int) and 0 < tl < 10**7:
-            return tl
-        return DEFAULT_MAX_MODEL_LEN
-
-    def vocab_size(self) -> int:
-        v = self.monitor.vocab_size() if self.monitor else None
-        if v:
-            return v
-        if self._cfg_vocab:
-            return self._cfg_vocab
-        return int(getattr(self.tokenizer, "vocab_size", 0) or 0) or 2**31
-
-    def model_context(self) -> ModelContext:
-        return ModelContext(names=self.model_names, max_model_len=self.max_model_len(),
-                            vocab_size=self.vocab_size(), max_n=self.config.max_n, tokenizer=self.tokenizer,
-                            chat_template=self.chat_template, defaults=self.generation_defaults)
+    # ------------------------------------------------------------------ models
+    def resolve(self, requested: str | None) -> ModelContext:
+        """A request's "model" field: a model, or an adapter of one (404 if neither)."""
+        model, lora_name = self.models.resolve(requested)
+        return model.context(model.name if requested is None else requested, lora_name, self.config.max_n)
 
     def status(self) -> dict[str, Any]:
-        load = self.monitor.load()
-        return {"model": self.served_model_name, "engines": load["engines"],
+        default = self.models.default
+        load = default.view.load or self.monitor.load()
+        return {"model": default.name, "engines": len(default.view.live),
                 "num_requests_running": load["num_running"],
                 "num_requests_waiting": load["num_waiting"] + load["backlog"],
                 "kv_cache_usage": round(load["kv_cache_usage"], 4), "gateway_id": self.gateway_id,
-                "max_model_len": self.max_model_len(),
+                "max_model_len": default.max_model_len(),
                 "in_flight": len(self.router.streams),
-                "generation_defaults": self.generation_defaults.as_dict()}
+                "generation_defaults": default.defaults.as_dict(),
+                "models": [self._model_status(m) for m in self.models.models.values()]}
+
+    @staticmethod
+    def _model_status(m: ServedModel) -> dict[str, Any]:
+        load = m.view.load
+        return {"model": m.name, "engines": len(m.view.live), "max_model_len": m.max_model_len(),
+                "num_requests_running": int(load.get("num_running", 0)),
+                "num_requests_waiting": int(load.get("num_waiting", 0) + load.get("backlog", 0)),
+                "adapters": sorted(m.view.adapters), "generation_defaults": m.defaults.as_dict()}
 
     # ------------------------------------------------------------------ admission
     def admit(self, parsed: ParsedRequest) -> None:
-        """429/503 before anything is queued when the engines' queues (plus the backlog) are full."""
-        mon = self.monitor
-        if not mon.live_engines():
-            raise APIError(503, "no engine is available to serve requests; try again later",
-                           code="no_engine", retry_after=max(1.0, self.config.engine_timeout / 2))
-        load = mon.load()
-        since = mon.backlog.time
-        local = [s for s in self.router.streams.values() if s.first_delta is None and s.submitted > since]
+        """429/503 before anything is queued: the model has no engine (for an adapter: none that holds
+        it), or its engines' queues (plus its stream's backlog) are full."""
+        ctx = parsed.ctx
+        model: ServedModel = ctx.served
+        view = model.view
+        retry = max(1.0, self.config.engine_timeout / 2)
+        if not view.live:
+            raise APIError(503, f"no engine is available to serve model '{model.name}'; try again later",
+                           code="no_engine", retry_after=retry)
+        if ctx.lora_name and ctx.lora_name not in view.adapters:
+            raise APIError(503, f"no engine holds the adapter '{ctx.lora_name}'; try again later",
+                           code="no_engine", retry_after=retry)
+        load = view.load
+        since = view.backlog.time
+        local = [s for s in self.router.streams.values()
+                 if s.model is model and s.first_delta is None and s.submitted > since]
         n_new = parsed.num_choices
         new_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
         waiting = load["num_waiting"] + load["backlog"] + len(local)
@@ -269,23 +248,31 @@ class Gateway:
         gens: list[SubGeneration] = []
         payloads = []
         single = parsed.num_choices == 1
+        model: ServedModel = parsed.ctx.served
+        lora_name = parsed.ctx.lora_name
         for pi, ids in enumerate(parsed.prompts):
-            place = self.placer.place(ids, now_m)          # the n choices of a prompt share its blocks
-            self.metrics.routed(place.reason, parsed.n)
+            # The n choices of a prompt share its blocks.
+            place = self.placer.place(ids, model.view.engines, model.stream, lora_name, now_m)
+            if not place.stream:
+                raise APIError(503, f"no engine holds the adapter '{lora_name}'; try again later",
+                               code="no_engine", retry_after=1.0)
+            model.metrics.routed(place.reason, parsed.n)
             for j in range(parsed.n):
                 index = pi * parsed.n + j
                 rid = request_id if single else f"{request_id}-{index}"
                 sub = SubRequest(index, rid, ids, parsed.sub_params(j), parsed.stop, parsed.prompt_texts[pi])
                 opts = parsed.output
                 state = RequestState(rid, index, ids, now_m + timeout,
-                                     self.text_tokenizer.detokenizer(ids, opts.skip_special_tokens),
+                                     model.text_tokenizer.detokenizer(ids, opts.skip_special_tokens),
                                      StopChecker(parsed.stop, opts.include_stop_str_in_output,
                                                  parsed.params.get("min_tokens", 0)),
                                      want_logprobs=parsed.logprobs is not None, options=opts, submitted=now_m,
-                                     params=sub.params, wall_deadline=now + timeout, routed_to=place.engine_id)
+                                     params=sub.params, wall_deadline=now + timeout, routed_to=place.engine_id,
+                                     model=model, lora_name=lora_name)
                 gens.append(SubGeneration(sub, state))
                 payloads.append((place.stream, encode(GenerateRequest(rid, self.gateway_id, ids, sub.params,
-                                                                      arrival_time=now, deadline=now + timeout))))
+                                                                      arrival_time=now, deadline=now + timeout,
+                                                                      lora_name=lora_name))))
         for g in gens:
             self.router.register(g.state)
         try:
@@ -305,8 +292,16 @@ class Gateway:
             log.warning("XADD failed: %s: %s", type(e).__name__, e)
             raise APIError(503, f"cannot queue the request: Redis is unavailable ({type(e).__name__})",
                            code="redis_unavailable", retry_after=1.0) from None
-        self.metrics.in_flight.set(len(self.router.streams))
         return gens
+
+    def target(self, s: RequestState) -> str:
+        """The stream a moved request goes to: its model's shared stream; for an adapter, the
+        least loaded (or best cached) engine holding it ("" if none does)."""
+        if not s.lora_name:
+            return s.model.stream
+        place = self.placer.place(s.prompt_ids + s.token_ids, s.model.view.engines, s.model.stream, s.lora_name)
+        s.routed_to = place.engine_id
+        return place.stream
 
     def close(self, gens: list[SubGeneration]) -> None:
         """Done with these generations: forget them; abort those the engine may still be running."""
@@ -318,7 +313,6 @@ class Gateway:
                 ids.append(g.state.request_id)
         if ids:
             self.abort_soon(ids)
-        self.metrics.in_flight.set(len(self.router.streams))
 
     def abort_soon(self, request_ids: list[str]) -> None:
         """XADD aborts in the background (safe to call from a cancelled task's cleanup)."""
@@ -345,7 +339,7 @@ class Gateway:
 
     # ------------------------------------------------------------------ accounting
     def record(self, gens: list[SubGeneration], error: APIError | None = None) -> None:
-        m = self.metrics
+        m = gens[0].state.model.metrics if gens else self.models.default.metrics
         prompts_seen = set()
         for g in gens:
             key = id(g.sub.prompt_ids)
@@ -357,3 +351,8 @@ class Gateway:
                 m.e2e.observe((g.finished_at or time.monotonic()) - g.arrival)
         if error is not None:
             m.error(error.code)
+
+    def metrics_of(self, parsed: ParsedRequest | None) -> Any:
+        """The series a request counts in (before its model is known: the first model's)."""
+        return parsed.ctx.served.metrics if parsed is not None and parsed.ctx is not None \
+            else self.models.default.metrics

@@ -178,6 +178,8 @@ class EngineConfig(_EnvConfig):
 class WorkerConfig(_EnvConfig):
     redis_url: str = DEFAULT_REDIS_URL
     engine_id: str = ""                  # "" -> hostname-pid-random
+    served_model_name: str = ""          # the model's name in the API and in its stream names;
+                                         # "" -> the directory's name (as the gateway's default)
     heartbeat_interval: float = 0.5      # seconds between heartbeats (gateways move a silent engine's
                                          # requests after 2.5 of them at least: GatewayConfig.failover_timeout)
     heartbeat_ttl: float = 5.0           # heartbeat key TTL; a worker silent this long is dead
@@ -202,6 +204,8 @@ class GatewayConfig(_EnvConfig):
     port: int = 8000
     model: str = ""                      # model directory (tokenizer, served model name)
     served_model_name: str = ""          # "" -> directory name
+    extra_models: tuple[str, ...] = ()   # more models served (--model given again)
+    models_file: str = ""                # a JSON file of more models (shared/models_file.py)
     chat_template: str = ""              # a Jinja template file or text; "" -> the tokenizer's own
     tokenizer_url: str = ""              # "" -> prompts tokenized in-process (outputs always are)
     api_keys: tuple[str, ...] = ()

@@ -2,13 +2,25 @@
 
 PREFIX = "kaiten"
 
-REQUEST_STREAM = f"{PREFIX}:requests"          # gateways XADD requests; engines XREADGROUP
-ENGINE_GROUP = "engines"                        # the consumer group all engine workers share
+ENGINE_GROUP = "engines"                        # the consumer group of every request stream
 DEAD_LETTER_STREAM = f"{PREFIX}:requests:dead"  # malformed or undeliverable entries
 ABORT_STREAM = f"{PREFIX}:aborts"               # every engine XREADs all aborts (no group)
 ABORT_STREAM_MAXLEN = 10_000
 DEAD_LETTER_MAXLEN = 10_000
+CONTROL_STREAM_MAXLEN = 1_000
 
+
+def request_stream(model: str) -> str:
+    """One model's shared request stream: gateways XADD the requests for `model` (its served name,
+    as its engines announce it); only that model's engines XREADGROUP it (group ENGINE_GROUP)."""
+    return f"{PREFIX}:model-requests:{model}"
+
+
+def control_stream(model: str) -> str:
+    """One model's control messages (``shared.protocol.Control``: load or unload a LoRA adapter).
+    Every engine of the model XREADs all of it from the start (no group), so one that starts later
+    replays the adapters loaded at run time; trimmed to about CONTROL_STREAM_MAXLEN entries."""
+    return f"{PREFIX}:model-control:{model}"
 
 
 def engine_stream(engine_id: str) -> str:

@@ -8,6 +8,9 @@ Every message is a map with ``v`` (protocol version) and ``t`` (type). Types:
   and the requests the engine admitted in that step (``admitted``: from then on the gateway knows
   which engine holds them). ``engine_worker/publisher.py`` builds them from ``Delta`` and
   ``TokenBatch``; fields at their default are left out on the wire and filled in by ``decode``.
+- ``control``  gateway -> every engine of one model (stream ``names.control_stream(model)``): load or
+  unload a LoRA adapter at run time. Each engine reports the outcome under ``op_id`` in its
+  heartbeat (``control_results``) and announces its adapters (``adapters``).
 - ``handoff``  engine -> one gateway (pub/sub): "these requests of yours get no more tokens from me;
   move them" (the engine is shutting down, or its janitor found them at a dead engine). The gateway
   resubmits each as a continuation (``gateway/backend/failover.py``).
@@ -21,7 +24,8 @@ names the latter); gateways do not show that token as text.
 Versions: 1 had ``request``, ``abort`` and ``tokens``. 2 added the continuation fields of a request
 (``num_generated``, ``first_seq``), ``TokenBatch.admitted`` and ``handoff``. A decoder accepts
 both; a version-1 message simply has none of the new fields. 3 added ``lora_name`` to a request
-(the LoRA adapter to run it through; "" for the base model, and left out on the wire then).
+(the LoRA adapter to run it through; "" for the base model, and left out on the wire then) and the
+``control`` message.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ PROTOCOL_VERSION = 3
 SUPPORTED_VERSIONS = (1, 2, 3)
 HANDOFF_REASONS = ("shutdown", "engine_lost", "restarted")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+CONTROL_OPS = ("load_lora", "unload_lora")
 
 
 class ProtocolError(ValueError):
@@ -62,6 +67,15 @@ class Abort:
     request_id: str
     reply_to: str = ""
     T = "abort"
+
+
+@dataclass(slots=True)
+class Control:
+    op_id: str                          # unique; the engines report its outcome under it
+    op: str                             # one of CONTROL_OPS
+    lora_name: str
+    lora_path: str = ""                 # load_lora: the adapter's directory
+    T = "control"
 
 
 @dataclass(slots=True)
@@ -106,7 +120,7 @@ class Handoff:
     T = "handoff"
 
 
-_TYPES: dict[str, type] = {c.T: c for c in (GenerateRequest, Abort, TokenBatch, Handoff)}
+_TYPES: dict[str, type] = {c.T: c for c in (GenerateRequest, Abort, TokenBatch, Handoff, Control)}
 
 
 def _to_wire(obj: Any) -> Any:
@@ -125,7 +139,7 @@ def _is_plain_default(value: Any, f: dataclasses.Field) -> bool:
     return default is not dataclasses.MISSING and type(value) is type(default) and value == default
 
 
-Message = GenerateRequest | Abort | TokenBatch | Handoff
+Message = GenerateRequest | Abort | TokenBatch | Handoff | Control
 
 
 def encode(msg: Message) -> bytes:
@@ -202,6 +216,15 @@ def _decode_handoff(body: dict) -> Handoff:
     return msg
 
 
+def _decode_control(body: dict) -> Control:
+    msg = _build(Control, body)
+    _check(isinstance(msg.op_id, str) and msg.op_id != "", "control: op_id must be a non-empty string")
+    _check(msg.op in CONTROL_OPS, f"control: op must be one of {CONTROL_OPS}")
+    _check(isinstance(msg.lora_name, str) and msg.lora_name != "", "control: lora_name must be a non-empty string")
+    _check(isinstance(msg.lora_path, str), "control: lora_path must be a string")
+    return msg
+
+
 def decode(data: bytes) -> Message:
     """Decode and validate one message. Raises ProtocolError on anything malformed."""
     try:
@@ -219,6 +242,8 @@ def decode(data: bytes) -> Message:
         return _decode_tokens(body)
     if kind == Handoff.T:
         return _decode_handoff(body)
+    if kind == Control.T:
+        return _decode_control(body)
     abort = _build(Abort, body)
     _check(isinstance(abort.request_id, str), "abort: request_id must be a string")
     return abort

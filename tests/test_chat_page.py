@@ -99,9 +99,10 @@ class StreamTap:
     """Every request the gateways XADD, decoded, read by a blocked XREAD on a thread as it arrives:
     on the shared stream and on the engine's own stream, where cache-aware routing sends requests."""
 
-    def __init__(self, redis_url: str, engine_id: str):
+    def __init__(self, redis_url: str, engine_id: str, model: str):
         import redis
         self.r = redis.Redis.from_url(redis_url, socket_timeout=5)
+        self.model = model
         self.requests: dict[str, object] = {}
         self.engine_id = engine_id
         self._stop = threading.Event()
@@ -111,7 +112,7 @@ class StreamTap:
     def _read(self) -> None:
         from shared import names
         from shared.protocol import GenerateRequest, decode
-        last = {names.REQUEST_STREAM: "0-0", names.engine_stream(self.engine_id): "0-0"}  # an empty Redis
+        last = {names.request_stream(self.model): "0-0", names.engine_stream(self.engine_id): "0-0"}  # empty Redis
         while not self._stop.is_set():
             for stream, entries in self.r.xread(last, block=1000) or []:
                 for entry_id, fields in entries:
@@ -183,7 +184,7 @@ def stack(browser, tiny_model_dir, redis_server):
          "--engine-id", ENGINE_ID, "--heartbeat-interval", "0.25"],
         cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
     gateway = GatewayThread(tiny_model_dir, redis_server.url, free_port())
-    tap = StreamTap(redis_server.url, ENGINE_ID)
+    tap = StreamTap(redis_server.url, ENGINE_ID, tiny_model_dir.name)
     try:
         gateway.start()
         gateway.wait_ready(timeout=90)

@@ -220,8 +220,9 @@ def test_abort_on_disconnect_frees_blocks_within_one_step(stack):
 
 def test_garbage_stream_entry_is_dead_lettered(stack):
     r = stack["r"]
-    r.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: b"\x93garbage"})
-    r.xadd(names.REQUEST_STREAM, {b"other": b"field"})
+    stream = names.request_stream(stack["model"])
+    r.xadd(stream, {names.PAYLOAD_FIELD: b"\x93garbage"})
+    r.xadd(stream, {b"other": b"field"})
     wait_until(lambda: r.xlen(names.DEAD_LETTER_STREAM) >= 2, 15)
     client = openai_client(stack["srv"])
     out = client.completions.create(model=stack["model"], prompt="Hello", max_tokens=3, temperature=0)
@@ -342,7 +343,7 @@ def test_sigkill_engine_its_streams_continue_and_the_other_serves_the_queue(tiny
             t.start()
         # The victim holds the two long streams (its max_num_seqs); the shorts are queued behind.
         wait_until(lambda: len(srv.gw.router.streams) >= 2 + len(PROMPTS), 10, 0.005)
-        assert r.xpending(names.REQUEST_STREAM, names.ENGINE_GROUP)["pending"] == 2   # still running
+        assert r.xpending(srv.gw.models.default.stream, names.ENGINE_GROUP)["pending"] == 2   # still running
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         survivor.start()

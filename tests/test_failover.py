@@ -232,7 +232,7 @@ def check_survivor_ran_no_claimed_entry(st: Stack, survivor: str, moved: set[str
     assert c.get("handed_back") == len(moved), c
     assert c.get("continuations") == len(moved), c
     assert c.get("requests") == originals + len(moved), c
-    assert st.r.xlen(names.REQUEST_STREAM) == 0
+    assert st.r.xlen(st.srv.gw.models.default.stream) == 0
 
 
 # ---------------------------------------------------------------------- tests

@@ -195,14 +195,15 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("name,path,body,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_requests(env, name, path, body, status):
     c = env["client"]
-    before = env["r"].xlen(names.REQUEST_STREAM)
+    stream = names.request_stream(env["model"])
+    before = env["r"].xlen(stream)
     if isinstance(body, bytes):
         resp = c.post(path, content=body, headers={"content-type": "application/json"})
     else:
         resp = c.post(path, json=body)
     assert resp.status_code == status, resp.text
     assert _is_openai_error(resp.json()), resp.text
-    assert env["r"].xlen(names.REQUEST_STREAM) == before, "a bad request must not be queued"
+    assert env["r"].xlen(stream) == before, "a bad request must not be queued"
 
 
 def test_bad_input_table_is_large():
@@ -630,7 +631,7 @@ def test_admission_control(own_redis, tiny_model_dir):
         idle = FakeEngine(own_redis.url, engine_id="fake-idle", model=tiny_model_dir.name)
         idle.heartbeat()
         for i in range(12):
-            r.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: b"backlog"})
+            r.xadd(names.request_stream(tiny_model_dir.name), {names.PAYLOAD_FIELD: b"backlog"})
         wait_until(lambda: srv.gw.monitor.backlog.lag >= 12 and srv.gw.monitor.live_engines(), 5)
         resp = c.post("/v1/completions", json=body)
         assert resp.status_code == 429, resp.text
@@ -817,7 +818,7 @@ def test_failover_continues_then_gives_up_after_max_failovers(own_redis, tiny_mo
             status, events = post_stream(c, "/v1/completions", {"prompt": "x", "max_tokens": 5, "stream": True})
             err = events[-2]["error"]
             assert events[-1] == "[DONE]" and err["code"] == "engine_lost" and "max_failovers=2" in err["message"]
-            tok = srv.gw.text_tokenizer
+            tok = srv.gw.models.default.text_tokenizer
             assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tok.decode([60, 61, 62])
             first, *moves = sorted(eng.requests.values(), key=lambda fr: fr.req.request_id)
             rid, prompt = first.req.request_id, first.req.prompt_token_ids

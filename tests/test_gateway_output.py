@@ -12,6 +12,7 @@ import redis
 
 from gateway.api.errors import GenerationError
 from gateway.metrics import GatewayMetrics
+from gateway.models import ServedModel
 from gateway.backend.output import OutputProcessor, Piece, RequestState, StopChecker
 from shared import names
 from shared.protocol import Delta, TokenLogprob
@@ -39,8 +40,8 @@ class Harness:
         self.failed: list[tuple[str, GenerationError]] = []
         self.counters = {k: 0 for k in ("deltas", "unknown_request", "bad_messages", "duplicates", "gaps",
                                         "foreign_engine")}
-        self.proc = OutputProcessor(tok, GatewayMetrics("m"), self.counters, finish=self._finish,
-                                    fail=self._fail, abort=self.aborted.extend)
+        self.model = ServedModel("m", text_tokenizer=tok, metrics=GatewayMetrics().model("m"))
+        self.proc = OutputProcessor(self.counters, finish=self._finish, fail=self._fail, abort=self.aborted.extend)
 
     def _finish(self, s: RequestState) -> None:
         self.streams.pop(s.request_id, None)
@@ -53,7 +54,7 @@ class Harness:
 
     def add(self, rid: str, prompt: list[int], stop: list[str] = (), logprobs: bool = False) -> RequestState:
         s = RequestState(rid, 0, prompt, 1e18, self.tok.detokenizer(prompt), StopChecker(list(stop)),
-                         want_logprobs=logprobs)
+                         want_logprobs=logprobs, model=self.model)
         self.streams[rid] = s
         return s
 
@@ -311,9 +312,9 @@ def test_requests_are_added_without_maxlen(redis_server, tiny_model_dir):
             for _ in range(200):
                 cmd = m.next_command()["command"]
                 cmds.append(cmd)
-                if cmd.startswith("XADD " + names.REQUEST_STREAM):
+                if cmd.startswith("XADD " + eng.stream):
                     break
-        xadds = [c for c in cmds if c.startswith("XADD " + names.REQUEST_STREAM + " ")]
+        xadds = [c for c in cmds if c.startswith("XADD " + eng.stream + " ")]
         assert xadds and "MAXLEN" not in xadds[0].upper()
         sets = [i for i, c in enumerate(cmds) if c.startswith("SET " + names.gateway_alive_key(srv.gw.gateway_id))]
         assert sets and sets[0] < cmds.index(xadds[0])     # the liveness key is set before the XADD

@@ -81,7 +81,7 @@ def default_tokens(n: int) -> list[int]:
 
 
 class FakeEngine:
-    """Consumes ``kaiten:requests`` as group ``engines`` and answers each request with a script.
+    """Consumes its model's request stream as group ``engines`` and answers each request with a script.
 
     ``script(request) -> list of step dicts``; each step dict is a delta without request_id/seq
     (``token_ids``, optional ``finish_reason``, ``logprobs``, ...), or {"sleep": s}, or
@@ -95,6 +95,7 @@ class FakeEngine:
         self.r = redis.Redis.from_url(redis_url, socket_timeout=5)
         self.engine_id = engine_id
         self.model = model
+        self.stream = names.request_stream(model)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.script = script or self.default_script
@@ -134,7 +135,7 @@ class FakeEngine:
     # -- consuming
     def _ensure_group(self) -> None:
         try:
-            self.r.xgroup_create(names.REQUEST_STREAM, names.ENGINE_GROUP, id="0", mkstream=True)
+            self.r.xgroup_create(self.stream, names.ENGINE_GROUP, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -144,11 +145,11 @@ class FakeEngine:
         while not self._stop.is_set():
             try:
                 self._ensure_group()
-                res = self.r.xreadgroup(names.ENGINE_GROUP, self.engine_id, {names.REQUEST_STREAM: ">"},
+                res = self.r.xreadgroup(names.ENGINE_GROUP, self.engine_id, {self.stream: ">"},
                                         count=16, block=50)
                 for _, entries in res or []:
                     for entry_id, fields in entries:
-                        self.r.xack(names.REQUEST_STREAM, names.ENGINE_GROUP, entry_id)
+                        self.r.xack(self.stream, names.ENGINE_GROUP, entry_id)
                         try:
                             msg = decode(fields[names.PAYLOAD_FIELD])
                         except Exception:

@@ -16,7 +16,7 @@ from shared import names
 def watch(url: str) -> tuple[OrphanWatch, redis.Redis]:
     r = redis.Redis.from_url(url)
     held = HeldRequests()
-    held.add(HeldRequest("req-1", b"1-0", "gw-x", None))
+    held.add(HeldRequest("req-1", b"1-0", "gw-x", None, "s"))
     held.publish()
     return OrphanWatch(r, Inbox(), held, 0.05), r
 

@@ -94,31 +94,55 @@ def monitor_with(*engines: tuple[str, list[int], int]) -> EngineMonitor:
     return mon
 
 
+SHARED = names.request_stream("m")
+
+
+def place(placer: Placer, ids: list[int], lora_name: str = ""):
+    """The placer's decision among every engine its monitor knows (one model's)."""
+    return placer.place(ids, list(placer.monitor.engines.values()), SHARED, lora_name)
+
+
 def test_placement_prefers_the_engine_holding_the_prefix():
     a_holds = prefix_block_hashes(turn(0, 1), BS)
     placer = Placer(monitor_with(("a", a_holds, 2), ("b", [], 0)))
-    d = placer.place(turn(0, 2))
+    d = place(placer, turn(0, 2))
     assert (d.engine_id, d.reason, d.stream) == ("a", "prefix_hit", names.engine_stream("a"))
     assert d.hit_blocks == len(a_holds)
 
 
 def test_placement_no_hit_goes_to_the_shared_stream():
     placer = Placer(monitor_with(("a", prefix_block_hashes(turn(0, 1), BS), 0), ("b", [], 0)))
-    d = placer.place([9] * 200)
-    assert (d.engine_id, d.reason, d.stream) == (None, "no_hit", names.REQUEST_STREAM)
+    d = place(placer, [9] * 200)
+    assert (d.engine_id, d.reason, d.stream) == (None, "no_hit", SHARED)
 
 
 def test_placement_queue_policy_and_no_engine_fall_back():
-    assert Placer(monitor_with(("a", [], 0)), policy="queue").place(turn(0, 1)).reason == "fallback"
-    assert Placer(monitor_with()).place(turn(0, 1)).reason == "fallback"
+    assert place(Placer(monitor_with(("a", [], 0)), policy="queue"), turn(0, 1)).reason == "fallback"
+    assert place(Placer(monitor_with()), turn(0, 1)).reason == "fallback"
     with pytest.raises(ValueError, match="routing must be one of"):
         Placer(monitor_with(), policy="random")
+
+
+def test_an_adapter_request_goes_only_to_engines_holding_the_adapter():
+    """Never the shared stream (an engine without the adapter could take it); the hashes chain
+    from the adapter's root, so the base model's cached blocks are no hit for it."""
+    a_holds = prefix_block_hashes(turn(0, 1), BS)
+    mon = monitor_with(("a", a_holds, 0), ("b", [], 3), ("c", [], 1))
+    mon.engines["b"].heartbeat["adapters"] = {"sql": "/x"}
+    mon.engines["c"].heartbeat["adapters"] = {"sql": "/x"}
+    placer = Placer(mon)
+    d = place(placer, turn(0, 2), "sql")
+    assert (d.engine_id, d.reason, d.stream) == ("c", "no_hit", names.engine_stream("c"))
+    assert place(placer, turn(0, 2)).engine_id == "a"                 # the base model: a holds it
+    assert place(placer, turn(0, 2), "other").stream == ""            # nobody holds "other"
+    q = place(Placer(mon, policy="queue"), turn(0, 2), "sql")
+    assert q.reason == "fallback" and q.engine_id in ("b", "c")
 
 
 def test_placement_spills_a_busy_engines_hot_prefix():
     hot = prefix_block_hashes(SYSTEM + [5] * 32, BS)
     placer = Placer(monitor_with(("a", hot, 20), ("b", [], 1)), balance_abs_threshold=8, balance_rel_threshold=1.5)
-    d = placer.place(SYSTEM + [5] * 32 + [6])
+    d = place(placer, SYSTEM + [5] * 32 + [6])
     assert (d.engine_id, d.reason) == ("b", "load_spill")
 
 
@@ -127,10 +151,10 @@ def test_a_burst_spreads_before_the_next_heartbeat():
     gateway just sent counts as load, so they spread evenly."""
     sys_blocks = prefix_block_hashes(SYSTEM, BS)
     placer = Placer(monitor_with(*((e, sys_blocks, 0) for e in "abcd")))
-    picks = [placer.place(turn(u, 1)).engine_id for u in range(8)]
+    picks = [place(placer, turn(u, 1)).engine_id for u in range(8)]
     assert sorted(picks) == sorted("abcd" * 2)
     # ... and the second turns follow them (the gateway's own knowledge of what it sent).
-    assert [placer.place(turn(u, 2)).engine_id for u in range(8)] == picks
+    assert [place(placer, turn(u, 2)).engine_id for u in range(8)] == picks
 
 
 # ---------------------------------------------------------------------- end to end

@@ -55,7 +55,7 @@ class FakeGateway:
         params.setdefault("temperature", 0)
         msg = protocol.GenerateRequest(rid, self.id, list(prompt), params, arrival_time=time.time(),
                                        deadline=deadline)
-        return self.r.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: protocol.encode(msg)})
+        return self.r.xadd(STREAM, {names.PAYLOAD_FIELD: protocol.encode(msg)})
 
     def abort(self, rid: str) -> None:
         self.r.xadd(names.ABORT_STREAM, {names.PAYLOAD_FIELD: protocol.encode(protocol.Abort(rid, self.id))})
@@ -100,11 +100,16 @@ def assert_contiguous(deltas: list[protocol.Delta]) -> None:
     assert all(d.finish_reason is None for d in deltas[:-1])
 
 
+MODEL = "tiny"                              # the workers' served name
+STREAM = names.request_stream(MODEL)        # the stream they read
+
+
 @pytest.fixture
 def start_worker(redis_url, tiny_model_dir):
     workers: list[WorkerThread] = []
 
     def start(engine_id: str = "e1", url: str | None = None, engine_kw: dict | None = None, **kw) -> WorkerThread:
+        kw.setdefault("served_model_name", MODEL)
         w = WorkerThread(url or redis_url, tiny_model_dir, engine_id, engine_kw=engine_kw, **kw).start()
         workers.append(w)
         return w
@@ -127,7 +132,7 @@ def dead_letters(r: redis.Redis) -> list[dict]:
 
 
 def pending_count(r: redis.Redis) -> int:
-    return r.xpending(names.REQUEST_STREAM, names.ENGINE_GROUP)["pending"]
+    return r.xpending(STREAM, names.ENGINE_GROUP)["pending"]
 
 
 # ---------------------------------------------------------------------- tests
@@ -235,7 +240,7 @@ def test_garbage_entries_are_dead_lettered_and_worker_keeps_serving(redis_url, s
         ({b"m": pack({**good, "request_id": "bad-deadline", "deadline": "soon"})}, "bad-deadline"),
     ]
     for fields, _ in bad_entries:
-        r.xadd(names.REQUEST_STREAM, fields)
+        r.xadd(STREAM, fields)
     # Valid messages the engine rejects: error deltas, XACKed, not dead letters.
     gw.submit("bad-params", [1, 2, 3], temperature=-1)
     gw.submit("oov", [1, 99999])
@@ -264,16 +269,16 @@ def test_garbage_entries_are_dead_lettered_and_worker_keeps_serving(redis_url, s
 def test_pending_entries_of_an_earlier_process_are_handed_back(redis_url, start_worker):
     gw = FakeGateway(redis_url, "gw-restart")
     r = gw.r
-    r.xgroup_create(names.REQUEST_STREAM, names.ENGINE_GROUP, id="0", mkstream=True)
+    r.xgroup_create(STREAM, names.ENGINE_GROUP, id="0", mkstream=True)
     # A worker named "e-restart" read two entries and died before acknowledging them; "poison"
     # had already taken it down twice more (each restart re-read it): 3 deliveries so far.
     gw.submit("orphan-0", PROMPTS[0], max_tokens=12)
     gw.submit("poison", PROMPTS[1], max_tokens=12)
-    r.xreadgroup(names.ENGINE_GROUP, "e-restart", {names.REQUEST_STREAM: ">"}, count=10)
-    poison_id = r.xrange(names.REQUEST_STREAM)[1][0]
-    r.xclaim(names.REQUEST_STREAM, names.ENGINE_GROUP, "e-restart", 0, [poison_id], retrycount=3)
+    r.xreadgroup(names.ENGINE_GROUP, "e-restart", {STREAM: ">"}, count=10)
+    poison_id = r.xrange(STREAM)[1][0]
+    r.xclaim(STREAM, names.ENGINE_GROUP, "e-restart", 0, [poison_id], retrycount=3)
     counts = {row["message_id"]: row["times_delivered"] for row in
-              r.xpending_range(names.REQUEST_STREAM, names.ENGINE_GROUP, "-", "+", 10)}
+              r.xpending_range(STREAM, names.ENGINE_GROUP, "-", "+", 10)}
     assert counts[poison_id] == 3
     w = start_worker(engine_id="e-restart", max_deliveries=3)
     gw.wait(["orphan-0", "poison"])
@@ -283,15 +288,15 @@ def test_pending_entries_of_an_earlier_process_are_handed_back(redis_url, start_
     assert gw.terminal("poison").finish_reason == "error" and "delivered 4 times" in gw.terminal("poison").error
     dead = dead_letters(r)
     assert len(dead) == 1 and dead[0][b"source_id"] == poison_id
-    wait_until(lambda: pending_count(r) == 0 and r.xlen(names.REQUEST_STREAM) == 0, what="XACK+XDEL of both")
+    wait_until(lambda: pending_count(r) == 0 and r.xlen(STREAM) == 0, what="XACK+XDEL of both")
     assert w.counters["handed_back"] == 1 and w.counters["requests"] == 0
 
 
 def test_janitor_claims_dead_consumers_entries_and_hands_them_back(redis_url, start_worker):
     gw = FakeGateway(redis_url, "gw-janitor")
     r = gw.r
-    r.xgroup_create(names.REQUEST_STREAM, names.ENGINE_GROUP, id="0", mkstream=True)
-    read = lambda consumer: r.xreadgroup(names.ENGINE_GROUP, consumer, {names.REQUEST_STREAM: ">"}, count=1)  # noqa: E731
+    r.xgroup_create(STREAM, names.ENGINE_GROUP, id="0", mkstream=True)
+    read = lambda consumer: r.xreadgroup(names.ENGINE_GROUP, consumer, {STREAM: ">"}, count=1)  # noqa: E731
     gw.submit("stranded", PROMPTS[0], max_tokens=6)
     read("dead-1")                                   # a dead engine: no heartbeat
     gw.submit("aborted", PROMPTS[1], max_tokens=6)
@@ -299,8 +304,8 @@ def test_janitor_claims_dead_consumers_entries_and_hands_them_back(redis_url, st
     gw.abort("aborted")
     gw.submit("too-often", PROMPTS[2], max_tokens=6)
     read("dead-2")
-    too_often_id = r.xrange(names.REQUEST_STREAM)[-1][0]
-    r.xclaim(names.REQUEST_STREAM, names.ENGINE_GROUP, "dead-2", 0, [too_often_id], retrycount=3)
+    too_often_id = r.xrange(STREAM)[-1][0]
+    r.xclaim(STREAM, names.ENGINE_GROUP, "dead-2", 0, [too_often_id], retrycount=3)
     gw.submit("alive-owned", PROMPTS[3], max_tokens=6)
     read("alive-1")                                  # a live engine (heartbeat) working on it
     r.set(names.heartbeat_key("alive-1"), msgpack.packb({"engine_id": "alive-1"}), px=60_000)
@@ -313,10 +318,10 @@ def test_janitor_claims_dead_consumers_entries_and_hands_them_back(redis_url, st
     assert gw.terminal("too-often").finish_reason == "error"
     assert "delivered 4 times" in gw.terminal("too-often").error
     wait_until(lambda: {row["consumer"] for row in
-                        r.xpending_range(names.REQUEST_STREAM, names.ENGINE_GROUP, "-", "+", 10)} == {b"alive-1"},
+                        r.xpending_range(STREAM, names.ENGINE_GROUP, "-", "+", 10)} == {b"alive-1"},
                what="every dead consumer's entry handled")
     time.sleep(1.0)                                  # several more janitor runs
-    rows = r.xpending_range(names.REQUEST_STREAM, names.ENGINE_GROUP, "-", "+", 10)
+    rows = r.xpending_range(STREAM, names.ENGINE_GROUP, "-", "+", 10)
     assert [row["consumer"] for row in rows] == [b"alive-1"], "a live engine's entry was claimed"
     assert "aborted" not in gw.deltas and "aborted" not in gw.handoffs   # aborted: dropped silently
     assert [f[b"source_id"] for f in dead_letters(r)] == [too_often_id]
@@ -366,7 +371,7 @@ def test_heartbeat_contents(redis_url, start_worker, tiny_model_dir):
     raw = wait_until(lambda: r.get(names.heartbeat_key("hb-1")), what="heartbeat")
     hb = msgpack.unpackb(raw, raw=False)
     assert hb["engine_id"] == "hb-1"
-    assert hb["model"] == Path(tiny_model_dir).name
+    assert hb["model"] == MODEL and hb["model_path"] == str(tiny_model_dir) and hb["adapters"] == {}
     assert hb["max_model_len"] == 512
     for key in ("capacity", "num_running", "num_waiting", "num_waiting_tokens", "kv_cache_usage",
                 "prefix_cache_hit_rate", "time"):
@@ -430,7 +435,7 @@ def test_requests_of_a_dead_gateway_are_aborted_within_2s(redis_url, start_worke
     other.wait(["kept"], timeout=30)
     assert other.terminal("kept").finish_reason == "abort" and len(other.tokens("kept")) > 0
     assert w.counters["stopped_gateway_gone"] == 4
-    wait_until(lambda: gw.r.xlen(names.REQUEST_STREAM) == 0, what="every entry deleted")
+    wait_until(lambda: gw.r.xlen(STREAM) == 0, what="every entry deleted")
     other.alive.delete()
 
 
@@ -473,12 +478,12 @@ def test_stream_holds_only_unfinished_work(redis_url, start_worker):
     for i in range(n):
         gw.submit(f"b{i}", PROMPTS[i % 4], max_tokens=3 + i % 5)
     gw.submit("rejected", [1, 99999])                           # an error delta
-    r.xadd(names.REQUEST_STREAM, {names.PAYLOAD_FIELD: b"garbage"})   # a dead letter
+    r.xadd(STREAM, {names.PAYLOAD_FIELD: b"garbage"})   # a dead letter
     gw.submit("aborted", PROMPTS[0], max_tokens=400, ignore_eos=True)
     wait_until(lambda: gw.pump(0.05) is not None and "aborted" in gw.deltas, what="first delta")
     gw.abort("aborted")
     gw.wait([f"b{i}" for i in range(n)] + ["rejected", "aborted"])
-    wait_until(lambda: r.xlen(names.REQUEST_STREAM) == 0, what="XLEN kaiten:requests == 0")
+    wait_until(lambda: r.xlen(STREAM) == 0, what="the request stream empty")
     assert pending_count(r) == 0
     assert r.xlen(names.DEAD_LETTER_STREAM) == 1
     assert w.counters["requests"] == n + 1
@@ -562,7 +567,7 @@ def test_cli_process_serves_and_stops_on_sigterm(redis_url, tiny_model_dir):
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "engine", "--model", str(tiny_model_dir), "--redis-url", redis_url,
-         "--engine-id", "cli-1", "--dtype", "float32", "--kv-cache-memory", "4MiB"],
+         "--engine-id", "cli-1", "--dtype", "float32", "--kv-cache-memory", "4MiB", "--served-model-name", MODEL],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: r.exists(names.heartbeat_key("cli-1")) or proc.poll() is not None, timeout=60,

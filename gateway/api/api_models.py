@@ -272,6 +272,18 @@ class TokenizeCompletionRequest(Body):
     return_token_strs: bool | None = None
 
 
+class LoadLoRAAdapterRequest(Body):
+    """vLLM's body; `model` (Kaiten's) names the base model where the gateway serves several."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    model: str | None = Field(None, description="the base model (needed when the gateway serves several)")
+
+
+class UnloadLoRAAdapterRequest(Body):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = Field(None, description="accepted for vLLM's clients; the name decides")
+
+
 class TokenizeChatRequest(ChatTemplateFields):
     add_special_tokens: Literal[False] = Field(False, description="the template adds the special tokens")
     return_token_strs: bool | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from shared.generation_defaults import GenerationDefaults
 from tokenizer_service.tokenizer import RESERVED_TEMPLATE_KWARGS, ChatTemplateOptions
@@ -32,14 +32,19 @@ class Tokenizer(Protocol):
 
 @dataclass(slots=True)
 class ModelContext:
-    """What validation needs to know about the served model."""
-    names: list[str]                 # accepted model names; the first is the default
+    """What validation needs to know about the model a request names."""
+    name: str                        # the name the request used (its responses' "model")
     max_model_len: int
     vocab_size: int
     max_n: int
     tokenizer: Any
     chat_template: str | None = None          # the gateway's --chat-template (None: the tokenizer's)
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)   # for unset fields
+    lora_name: str = ""                       # the adapter the name stands for ("" for a base model)
+    served: Any = None                        # gateway.models.ServedModel
+
+
+Resolve = Callable[[str | None], ModelContext]     # a request's "model" field -> its context (or 404)
 
 
 @dataclass(slots=True)
@@ -62,6 +67,7 @@ class ParsedRequest:
     continuous_usage: bool = False             # stream_options.continuous_usage_stats (with include_usage)
     prompt_logprobs: int | None = None         # vLLM's prompt_logprobs: top-N per prompt token
     echo_only: bool = False                    # echo with max_tokens 0: the prompt (and its logprobs) only
+    ctx: ModelContext | None = None            # the model it runs on
 
     @property
     def num_choices(self) -> int:
@@ -74,15 +80,6 @@ class ParsedRequest:
 
 
 # ---------------------------------------------------------------------- rules beyond one field
-def check_model(model: str | None, ctx: ModelContext) -> str:
-    if model is None:
-        return ctx.names[0]
-    if model not in ctx.names:
-        raise APIError(404, f"The model '{model}' does not exist. Available: {', '.join(ctx.names)}",
-                       param="model", code="model_not_found")
-    return model
-
-
 def _n(req: SamplingRequest, ctx: ModelContext) -> int:
     if req.n > ctx.max_n:
         raise bad_request(f"'n' must be in [1, {ctx.max_n}], got {req.n}", "n")
@@ -224,9 +221,9 @@ def _set_structured(params: dict[str, Any], spec: dict | None) -> None:
 
 
 # ---------------------------------------------------------------------- completions
-async def parse_completion(body: Any, ctx: ModelContext) -> ParsedRequest:
+async def parse_completion(body: Any, resolve: Resolve) -> ParsedRequest:
     req: CompletionRequest = validate(CompletionRequest, body)
-    model = check_model(req.model, ctx)
+    ctx = resolve(req.model)
     n = _n(req, ctx)
     if req.best_of is not None and req.best_of != n:
         raise bad_request("'best_of' other than n is not supported", "best_of", "unsupported_parameter")
@@ -249,9 +246,9 @@ async def parse_completion(body: Any, ctx: ModelContext) -> ParsedRequest:
     _min_tokens(params, req)
     params["logprobs"] = req.logprobs
     params["prompt_logprobs"] = _engine_prompt_logprobs(prompt_logprobs, req.logprobs if echo else None)
-    return ParsedRequest("completion", model, prompts, texts, n, params, seeds, stop, stream, include_usage,
+    return ParsedRequest("completion", ctx.name, prompts, texts, n, params, seeds, stop, stream, include_usage,
                          req.logprobs, echo=echo, output=_output_options(req), continuous_usage=continuous,
-                         prompt_logprobs=prompt_logprobs, echo_only=echo_only)
+                         prompt_logprobs=prompt_logprobs, echo_only=echo_only, ctx=ctx)
 
 
 async def _prompts(prompt: Any, n: int, ctx: ModelContext) -> tuple[list[list[int]], list[str | None]]:
@@ -342,10 +339,10 @@ def _message_tool_calls(m: Message, where: str) -> list[dict]:
     return out
 
 
-async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = None,
+async def parse_chat(body: Any, resolve: Resolve, force_stream: bool | None = None,
                      allowed: frozenset[str] | None = None) -> ParsedRequest:
     req: ChatCompletionRequest = validate(ChatCompletionRequest, body, allowed)
-    model = check_model(req.model, ctx)
+    ctx = resolve(req.model)
     messages = normalize_messages(req.messages)
     n = _n(req, ctx)
     tools = parse_tools(req)
@@ -387,9 +384,9 @@ async def parse_chat(body: Any, ctx: ModelContext, force_stream: bool | None = N
     params["logprobs"] = logprobs
     prompt_logprobs = _prompt_logprobs(req, stream)
     params["prompt_logprobs"] = prompt_logprobs
-    return ParsedRequest("chat", model, [ids], [None], n, params, seeds, stop, stream, include_usage, logprobs,
+    return ParsedRequest("chat", ctx.name, [ids], [None], n, params, seeds, stop, stream, include_usage, logprobs,
                          extra={"messages": messages}, tools=tools, output=_output_options(req),
-                         continuous_usage=continuous, prompt_logprobs=prompt_logprobs)
+                         continuous_usage=continuous, prompt_logprobs=prompt_logprobs, ctx=ctx)
 
 
 def template_options(req: ChatTemplateFields, ctx: ModelContext,

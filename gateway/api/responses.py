@@ -192,7 +192,7 @@ async def _stream(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: str
         error = e
         yield sse(ErrorResponse, e.body())
     except asyncio.CancelledError:
-        gw.metrics.error("client_disconnected")
+        gw.metrics_of(parsed).error("client_disconnected")
         raise
     except Exception as e:              # a bug: still end the stream with an error, not a cut
         log.exception("stream %s failed", rid)
@@ -212,7 +212,8 @@ def completion_sse(gw, parsed: ParsedRequest, gens: list[SubGeneration], rid: st
     echo_waits = parsed.echo and parsed.logprobs is not None
 
     async def echo_chunk(g: SubGeneration) -> bytes:
-        text = g.sub.prompt_text if g.sub.prompt_text is not None else await gw.tokenizer.decode(g.sub.prompt_ids)
+        text = (g.sub.prompt_text if g.sub.prompt_text is not None
+                else await parsed.ctx.tokenizer.decode(g.sub.prompt_ids))
         lp = lp_builders[g.sub.index].build_prompt(g) if parsed.logprobs is not None else None
         return chunk([{"index": g.sub.index, "text": text, "logprobs": lp, "finish_reason": None,
                        "stop_reason": None}])

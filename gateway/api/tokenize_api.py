@@ -19,7 +19,7 @@ from starlette.responses import Response
 from .api_models import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, validate
 from .errors import APIError, bad_request
 from .http_common import check_auth, gateway_of, json_response, read_json
-from .openai_api import check_model, normalize_messages, template_options, tokenizer_unavailable
+from .openai_api import normalize_messages, template_options, tokenizer_unavailable
 from .response_models import DetokenizeResponse, TokenizeResponse
 
 OFFLOAD = 8192          # characters or ids above which the work runs on a thread
@@ -32,10 +32,9 @@ async def tokenize(request: Request) -> Response:
         body = await _body(request)
         chat = isinstance(body, dict) and "messages" in body
         req = validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
-        ctx = gw.model_context()
-        check_model(req.model, ctx)
-        ids = await (_chat_ids(req, ctx) if chat else _prompt_ids(req, gw))
-        strs = gw.text_tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        ctx = gw.resolve(req.model)
+        ids = await (_chat_ids(req, ctx) if chat else _prompt_ids(req, ctx))
+        strs = ctx.served.text_tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
     except APIError as e:
         return e.response()
     return json_response(TokenizeResponse, {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids,
@@ -47,12 +46,11 @@ async def detokenize(request: Request) -> Response:
     try:
         check_auth(request)
         req = validate(DetokenizeRequest, await _body(request))
-        ctx = gw.model_context()
-        check_model(req.model, ctx)
+        ctx = gw.resolve(req.model)
         bad = next((t for t in req.tokens if t >= ctx.vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", "tokens")
-        text = await _offload(len(req.tokens), gw.text_tokenizer.decode, req.tokens)
+        text = await _offload(len(req.tokens), ctx.served.text_tokenizer.decode, req.tokens)
     except APIError as e:
         return e.response()
     return json_response(DetokenizeResponse, {"prompt": text})
@@ -63,9 +61,9 @@ async def _body(request: Request) -> Any:
     return await read_json(request, config.max_body_bytes, config.max_json_depth)
 
 
-async def _prompt_ids(req: TokenizeCompletionRequest, gw) -> list[int]:
+async def _prompt_ids(req: TokenizeCompletionRequest, ctx) -> list[int]:
     try:
-        return await _offload(len(req.prompt), gw.text_tokenizer.encode, req.prompt, req.add_special_tokens)
+        return await _offload(len(req.prompt), ctx.served.text_tokenizer.encode, req.prompt, req.add_special_tokens)
     except ValueError as e:
         raise bad_request(f"cannot tokenize the prompt: {e}", "prompt") from None
 

@@ -1,10 +1,14 @@
-"""Engine liveness and load, from the engines' heartbeat keys and the request stream's backlog.
+"""Engine liveness and load, from the engines' heartbeat keys and the request streams' backlog.
 
 One poll task per gateway (``EngineMonitor.run``) reads every ``kaiten:engine:*`` key and the
-consumer group's lag, and each engine's prefix-cache block list (``names.blocks_key``) when the
+consumer group's lag on each model's stream, and each engine's prefix-cache block list (``names.blocks_key``) when the
 heartbeat's ``blocks_version`` moved (a restarted engine, a new ``instance``, starts empty). An engine is alive while its heartbeat keeps changing: ``last_alive`` is the
 gateway's clock when a new heartbeat (or a token delta from that engine) was last seen, so clock
 skew between hosts does not matter.
+
+Each poll groups the engines by the model their heartbeat announces (``views``: a ``ModelView``
+per model, with its live engines, load, adapters and backlog), so what a request reads of its
+model's engines costs the same however many models the deployment serves.
 """
 from __future__ import annotations
 
@@ -46,13 +50,61 @@ class Backlog:
     time: float = 0.0                # time.monotonic() of the reading
 
 
+@dataclass(slots=True)
+class ModelView:
+    """One model's engines as of the latest poll: those whose heartbeat announces it."""
+    engines: list[EngineInfo] = field(default_factory=list)      # live or not
+    live: list[EngineInfo] = field(default_factory=list)         # heartbeat within engine_timeout
+    load: dict[str, float] = field(default_factory=dict)         # load_of(live, backlog)
+    adapters: dict[str, str] = field(default_factory=dict)       # LoRA adapters of the live engines
+    backlog: Backlog = field(default_factory=Backlog)
+    last_alive: float = 0.0                                      # latest sign of life of any of them
+
+
+def load_of(live: list[EngineInfo], backlog: int) -> dict[str, float]:
+    n = len(live)
+    return {
+        "engines": n,
+        "num_running": sum(int(e.get("num_running")) for e in live),
+        "num_waiting": sum(int(e.get("num_waiting")) for e in live),
+        "num_waiting_tokens": sum(int(e.get("num_waiting_tokens")) for e in live),
+        "kv_cache_usage": (sum(float(e.get("kv_cache_usage", 0.0)) for e in live) / n) if n else 0.0,
+        "prefix_cache_hit_rate": (sum(float(e.get("prefix_cache_hit_rate", 0.0)) for e in live) / n) if n else 0.0,
+        "backlog": backlog,
+    }
+
+
+EMPTY_VIEW = ModelView()
+
+
+def _group_lag(groups: Any) -> int | None:
+    """The engines' group's lag from an XINFO GROUPS reply (None: no such stream or group)."""
+    if isinstance(groups, Exception):
+        if isinstance(groups, redis.ResponseError):
+            return None
+        raise groups
+    for g in groups:
+        name = g.get("name")
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != names.ENGINE_GROUP:
+            continue
+        lag = g.get("lag")
+        if lag is None:                   # Redis cannot tell (entries deleted): estimate
+            added, read = g.get("entries-added"), g.get("entries-read")
+            lag = (int(added) - int(read)) if added is not None and read is not None else 0
+        return max(0, int(lag))
+    return None
+
+
 class EngineMonitor:
     def __init__(self, client, engine_timeout: float, poll_interval: float | None = None):
         self.r = client
         self.engine_timeout = engine_timeout
         self.poll_interval = poll_interval if poll_interval is not None else max(0.05, min(0.5, engine_timeout / 4))
         self.engines: dict[str, EngineInfo] = {}
-        self.backlog = Backlog()
+        self.backlog = Backlog()                 # of every model's stream together
+        self.views: dict[str, ModelView] = {}    # model (as announced) -> its engines, at the last poll
+        self.watched: set[str] = set()           # models whose stream backlog is read with no engine up
         self.last_poll_ok: float = 0.0           # monotonic time of the last successful poll
         self.redis_ok = False
         self.started = time.monotonic()
@@ -85,35 +137,12 @@ class EngineMonitor:
         """Monotonic time of the latest sign of life of any engine (the monitor's start if none)."""
         return max([e.last_alive for e in self.engines.values()] + [0.0])
 
-    def models(self) -> list[str]:
-        seen: list[str] = []
-        for e in self.live_engines():
-            m = e.heartbeat.get("model")
-            if isinstance(m, str) and m and m not in seen:
-                seen.append(m)
-        return seen
-
-    def max_model_len(self, model: str | None = None) -> int | None:
-        lens = [int(e.get("max_model_len")) for e in self.live_engines()
-                if e.get("max_model_len") and (model is None or e.heartbeat.get("model") in (None, model))]
-        return min(lens) if lens else None
-
-    def vocab_size(self) -> int | None:
-        v = [int(e.get("vocab_size")) for e in self.live_engines() if e.get("vocab_size")]
-        return min(v) if v else None
+    def view(self, model: str) -> ModelView:
+        return self.views.get(model, EMPTY_VIEW)
 
     def load(self) -> dict[str, float]:
-        live = self.live_engines()
-        return {
-            "engines": len(live),
-            "num_running": sum(int(e.get("num_running")) for e in live),
-            "num_waiting": sum(int(e.get("num_waiting")) for e in live),
-            "num_waiting_tokens": sum(int(e.get("num_waiting_tokens")) for e in live),
-            "kv_cache_usage": (sum(float(e.get("kv_cache_usage", 0.0)) for e in live) / len(live)) if live else 0.0,
-            "prefix_cache_hit_rate": (sum(float(e.get("prefix_cache_hit_rate", 0.0)) for e in live) / len(live))
-            if live else 0.0,
-            "backlog": self.backlog.lag,
-        }
+        """Every engine's load together (all models)."""
+        return load_of(self.live_engines(), self.backlog.lag)
 
     # ------------------------------------------------------------------ polling
     async def poll_once(self) -> None:
@@ -146,7 +175,9 @@ class EngineMonitor:
         for eid in [eid for eid, e in self.engines.items() if now - e.last_alive > max(60.0, 6 * self.engine_timeout)]:
             del self.engines[eid]
         await self._poll_blocks(now)
-        await self._poll_backlog(now)
+        views = self._group(now)
+        await self._poll_backlog(views, now)
+        self.views = views
         self.last_poll_ok = now
         self.redis_ok = True
         self.polled.set()
@@ -168,33 +199,47 @@ class EngineMonitor:
             info.blocks, info.blocks_seen = hashes, now
             info.blocks_version = (info.heartbeat.get("instance"), version)
 
-    async def _poll_backlog(self, now: float) -> None:
-        lag, exists = 0, False
-        try:
-            groups = await self.r.xinfo_groups(names.REQUEST_STREAM)
-        except redis.ResponseError:       # no such key: the stream does not exist (yet)
-            groups = []
-        for g in groups:
-            name = g.get("name")
-            name = name.decode() if isinstance(name, bytes) else name
-            if name != names.ENGINE_GROUP:
+    def _group(self, now: float) -> dict[str, ModelView]:
+        views: dict[str, ModelView] = {}
+        for e in self.engines.values():
+            model = e.heartbeat.get("model")
+            if not isinstance(model, str) or not model:
                 continue
-            exists = True
-            lag_v = g.get("lag")
-            if lag_v is None:             # Redis cannot tell (entries deleted): estimate
-                added, read = g.get("entries-added"), g.get("entries-read")
-                lag_v = (int(added) - int(read)) if added is not None and read is not None else 0
-            lag = max(0, int(lag_v))
-        if not exists:
-            await self.ensure_group()
-            lag = int(await self.r.xlen(names.REQUEST_STREAM))
-        self.backlog = Backlog(lag=lag, group_exists=True, time=now)
+            v = views.setdefault(model, ModelView())
+            v.engines.append(e)
+            v.last_alive = max(v.last_alive, e.last_alive)
+            if e.heartbeat and now - e.last_alive <= self.engine_timeout:
+                v.live.append(e)
+                adapters = e.heartbeat.get("adapters")
+                if isinstance(adapters, dict):
+                    v.adapters.update(adapters)
+        return views
 
-    async def ensure_group(self) -> None:
+    async def _poll_backlog(self, views: dict[str, ModelView], now: float) -> None:
+        """Each model stream's lag, in one pipeline."""
+        models = sorted(set(views) | self.watched)
+        pipe = self.r.pipeline(transaction=False)
+        for model in models:
+            pipe.xinfo_groups(names.request_stream(model))
+        replies = await pipe.execute(raise_on_error=False) if models else []
+        total = 0
+        for model, groups in zip(models, replies):
+            lag = _group_lag(groups)
+            if lag is None:               # no stream or no group yet (or Redis restarted empty)
+                stream = names.request_stream(model)
+                await self.ensure_group(stream)
+                lag = int(await self.r.xlen(stream))
+            total += lag
+            view = views.setdefault(model, ModelView())
+            view.backlog = Backlog(lag=lag, group_exists=True, time=now)
+            view.load = load_of(view.live, lag)
+        self.backlog = Backlog(lag=total, group_exists=True, time=now)
+
+    async def ensure_group(self, stream: str) -> None:
         """Create the engines' consumer group at the stream's start, so nothing XADDed before an
         engine starts (or after Redis restarted empty) is skipped. Idempotent."""
         try:
-            await self.r.xgroup_create(names.REQUEST_STREAM, names.ENGINE_GROUP, id="0", mkstream=True)
+            await self.r.xgroup_create(stream, names.ENGINE_GROUP, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise

@@ -11,7 +11,8 @@ When the gateway moves a request:
 - a ``Handoff`` names it: its engine is shutting down (SIGTERM), or a janitor found its entry
   pending at a dead engine before the gateway heard it was admitted, or an engine restarted.
 
-Moving is one pipeline: XADD a continuation under a new engine-side id (``<origin>~<n>``), and
+Moving is one pipeline: XADD a continuation under a new engine-side id (``<origin>~<n>``) to the
+request's model's stream (for a LoRA adapter: an engine that holds it, ``target``), and
 for a silent engine an abort of the old id (in case it was only slow). The continuation's prompt
 is the original prompt plus every token delivered; ``max_tokens`` is what remains;
 ``num_generated`` tells the engine which prompt tokens are output (penalties; the seeded
@@ -36,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from shared import names
 from shared.protocol import Abort, GenerateRequest, encode
@@ -57,17 +58,18 @@ def continuation(s: RequestState, gateway_id: str, request_id: str) -> GenerateR
     if s.prompt_logprobs is not None:
         params["prompt_logprobs"] = None         # came with the first delta already
     return GenerateRequest(request_id, gateway_id, list(s.prompt_ids) + s.token_ids, params,
-                           deadline=s.wall_deadline, num_generated=len(s.token_ids), first_seq=s.next_seq)
+                           deadline=s.wall_deadline, num_generated=len(s.token_ids), first_seq=s.next_seq,
+                           lora_name=s.lora_name)
 
 
 class Failover:
-    def __init__(self, client: Any, gateway_id: str, router: ReplyRouter, max_failovers: int, metrics: Any,
-                 redis_grace: float = 10.0):
+    def __init__(self, client: Any, gateway_id: str, router: ReplyRouter, max_failovers: int,
+                 redis_grace: float = 10.0, target: Callable[[RequestState], str] = lambda s: s.model.stream):
         self.r = client
         self.gateway_id = gateway_id
         self.router = router
         self.max_failovers = max_failovers
-        self.metrics = metrics
+        self.target = target                 # the stream a moved request goes to ("": none can take it)
         self.redis_grace = redis_grace
         self._bg: set[asyncio.Task] = set()
         self._suspended: dict[str, tuple[RequestState, str]] = {}   # new id -> (state, old id)
@@ -107,8 +109,8 @@ class Failover:
             s.failovers += 1
             self.router.rekey(s, f"{s.origin_id or old}~{s.failovers}")
             moved.append((s, old))
+            s.model.metrics.failovers.inc()
         self.router.counters["failovers"] += len(moved)
-        self.metrics.failovers.inc(len(moved))
         return moved
 
     def _background(self, coro) -> asyncio.Task:
@@ -163,8 +165,12 @@ class Failover:
         pipe.set(names.gateway_alive_key(self.gateway_id), self.gateway_id,
                  px=int(names.GATEWAY_ALIVE_TTL_S * 1000))
         for s, _ in live:
-            pipe.xadd(names.REQUEST_STREAM,
-                      {names.PAYLOAD_FIELD: encode(continuation(s, self.gateway_id, s.request_id))})
+            stream = self.target(s)
+            if not stream:
+                self.router.fail(s, GenerationError(503, f"no live engine holds the adapter '{s.lora_name}' to "
+                                                         "continue the request", code="engine_lost"), abort=False)
+                continue
+            pipe.xadd(stream, {names.PAYLOAD_FIELD: encode(continuation(s, self.gateway_id, s.request_id))})
         for _, old in live if abort_old else ():
             pipe.xadd(names.ABORT_STREAM, {names.PAYLOAD_FIELD: encode(Abort(old, self.gateway_id))},
                       maxlen=names.ABORT_STREAM_MAXLEN, approximate=True)

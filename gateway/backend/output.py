@@ -161,6 +161,8 @@ class RequestState:
     origin_id: str = ""
     failovers: int = 0
     routed_to: str | None = None          # the engine whose own stream got it (not admitted yet)
+    model: Any = None                     # gateway.models.ServedModel: its tokenizer, metrics, stream
+    lora_name: str = ""                   # the LoRA adapter it runs through ("" for the base model)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -170,11 +172,9 @@ class RequestState:
 class OutputProcessor:
     """Turns the deltas of each TokenBatch into pieces on the requests' queues."""
 
-    def __init__(self, tokenizer: Any, metrics: Any, counters: dict[str, int],
+    def __init__(self, counters: dict[str, int],
                  finish: Callable[[RequestState], None], fail: Callable[[RequestState, GenerationError], None],
                  abort: Callable[[list[str]], None]):
-        self.tokenizer = tokenizer            # tokenizer_service.ChatTokenizer (in-process)
-        self.metrics = metrics
         self.counters = counters
         self._finish = finish                 # forget a state that is done
         self._fail = fail                     # end a state with an error (and abort the engine)
@@ -188,7 +188,7 @@ class OutputProcessor:
                 s.engine_id = engine_id
         now = time.monotonic()
         strings = self._token_strings(deltas, streams)
-        m = self.metrics
+        m = None                          # the model's metrics (an engine serves one model)
         new_tokens = 0
         to_abort: list[str] = []
         for d in deltas:
@@ -199,6 +199,10 @@ class OutputProcessor:
                 continue
             if not self._in_order(engine_id, d, s):
                 continue
+            if s.model.metrics is not m:
+                if new_tokens:
+                    m.generation_tokens.inc(new_tokens)
+                m, new_tokens = s.model.metrics, 0
             if s.first_delta is None:
                 s.first_delta = now
             if d.prompt_logprobs is not None:
@@ -284,10 +288,12 @@ class OutputProcessor:
     def _token_strings(self, deltas: list[Delta], streams: dict[str, RequestState]) -> dict[int, str]:
         """The text of every token that a logprob in this batch names: one batched decode."""
         ids: dict[int, None] = {}
+        tokenizer = None
         for d in deltas:
             s = streams.get(d.request_id) if isinstance(d.request_id, str) else None
             if s is None or not (s.want_logprobs and d.logprobs or d.prompt_logprobs):
                 continue
+            tokenizer = s.model.text_tokenizer        # one model's requests: an engine serves one
             for lp in d.logprobs if s.want_logprobs and d.logprobs else ():
                 ids[lp.token_id] = None
                 for t, _ in lp.top:
@@ -298,7 +304,7 @@ class OutputProcessor:
             return {}
         keys = list(ids)
         try:
-            return dict(zip(keys, self.tokenizer.token_strings(keys)))
+            return dict(zip(keys, tokenizer.token_strings(keys)))
         except ValueError:                    # a logprob's token text is best effort
             return {}
 

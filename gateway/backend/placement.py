@@ -1,19 +1,24 @@
-"""Cache-aware routing: which stream a new request goes to.
+"""Cache-aware routing: which stream a new request goes to, among the engines of its model.
 
 The gateway hashes the prompt's full blocks (``shared.block_hash``, the prefix cache's own
-function) and counts, for each live engine that accepts work, how many leading blocks it holds:
+function, chained from the request's LoRA adapter's root) and counts, for each live engine of the
+request's model that accepts work, how many leading blocks it holds:
 what its last block list said (``EngineMonitor``) plus what this gateway learned since (``_Sent``):
 the prompts it routed there, so a burst before the next heartbeat sees its own effect, and the
 prompt and output of each request that finished there, so a chat's next turn finds its history. Then, in the manner of
 SGLang's router:
 
-- ``no_hit``: the best engine holds less than ``cache_threshold`` of the prompt: the shared stream,
-  where any engine with room takes it (the queue, as without routing).
+- ``no_hit``: the best engine holds less than ``cache_threshold`` of the prompt: the model's shared
+  stream, where any of its engines with room takes it (the queue, as without routing).
 - ``load_spill``: the best engine (most blocks; the least loaded among equals) is busier than the
   least loaded engine by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
   times: the least loaded engine's own stream.
 - ``prefix_hit``: else the best engine's own stream.
 - ``fallback``: routing is off (``--routing queue``), no engine reports its blocks, or none is live.
+
+A request for a LoRA adapter never goes to the shared stream (an engine without the adapter could
+take it): only engines that announce the adapter are candidates, and where the rule above says
+the shared stream, the least loaded of them gets it. With none, the decision has no stream.
 
 Load is an engine's running + waiting requests from its heartbeat plus those this gateway sent it
 since. A request routed to an engine that dies, drains or does not admit it within
@@ -84,30 +89,55 @@ class Placer:
         self.liveness_timeout = liveness_timeout
         self._sent: dict[str, _Sent] = {}
 
-    def place(self, prompt_ids: list[int], now: float | None = None) -> Decision:
+    def place(self, prompt_ids: list[int], engines: list[EngineInfo], shared_stream: str, lora_name: str = "",
+              now: float | None = None) -> Decision:
+        """Where a request of a model goes: `engines` are the model's (EngineMonitor.view), and
+        `shared_stream` its stream that any of them reads."""
         now = time.monotonic() if now is None else now
-        engines = self._candidates(now) if self.policy == "prefix" else []
+        live = self._live(engines, now, lora_name)
+        engines = self._one_block_size(live) if self.policy == "prefix" else []
         if not engines:
-            return Decision(names.REQUEST_STREAM, None, "fallback")
+            return self._unrouted(live, shared_stream, lora_name, now, "fallback")
         block_size = int(engines[0].get("block_size"))
         # The engine never serves a prompt's last token from its cache: neither do we count it.
-        hashes = prefix_block_hashes(prompt_ids, block_size, (len(prompt_ids) - 1) // block_size)
+        hashes = prefix_block_hashes(prompt_ids, block_size, (len(prompt_ids) - 1) // block_size, lora_name)
         loads = {e.engine_id: self._load(e, now) for e in engines}
         hits = {e.engine_id: self._hit_blocks(e, hashes) for e in engines}
         best = max(engines, key=lambda e: (hits[e.engine_id], -loads[e.engine_id]))
         best_hit = hits[best.engine_id]
         if not hashes or best_hit * block_size < self.cache_threshold * len(prompt_ids):
-            return Decision(names.REQUEST_STREAM, None, "no_hit", best_hit)
+            return self._unrouted(engines, shared_stream, lora_name, now, "no_hit", hashes, best_hit)
         least = min(engines, key=lambda e: loads[e.engine_id])
         lo, hi = loads[least.engine_id], loads[best.engine_id]
         if hi > lo + self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             return self._send(least, hashes, now, "load_spill", hits[least.engine_id])
         return self._send(best, hashes, now, "prefix_hit", best_hit)
 
-    def _candidates(self, now: float) -> list[EngineInfo]:
-        """Live engines that accept work and report their blocks, all of one block size."""
-        live = [e for e in self.monitor.live_engines(now, self.liveness_timeout)
-                if e.get("accepting", True) and e.get("block_size") and e.blocks_version is not None]
+    def _unrouted(self, engines: list[EngineInfo], shared_stream: str, lora_name: str, now: float, reason: str,
+                  hashes: list[int] = (), hit: int = 0) -> Decision:
+        """No engine's cache decides: the shared stream, or for an adapter its least loaded engine."""
+        if not lora_name:
+            return Decision(shared_stream, None, reason, hit)
+        if not engines:
+            return Decision("", None, reason)
+        least = min(engines, key=lambda e: self._load(e, now))
+        return self._send(least, list(hashes), now, reason, 0)
+
+    def _live(self, engines: list[EngineInfo], now: float, lora_name: str) -> list[EngineInfo]:
+        """The engines that are alive, accept work and hold the adapter (if one is asked for)."""
+        out = []
+        for e in engines:
+            if not e.heartbeat or now - e.last_alive > self.liveness_timeout or not e.get("accepting", True):
+                continue
+            if lora_name and lora_name not in (e.heartbeat.get("adapters") or {}):
+                continue
+            out.append(e)
+        return out
+
+    @staticmethod
+    def _one_block_size(live: list[EngineInfo]) -> list[EngineInfo]:
+        """Those that report their blocks, if all of one block size."""
+        live = [e for e in live if e.get("block_size") and e.blocks_version is not None]
         sizes = {int(e.get("block_size")) for e in live}
         return live if len(sizes) == 1 else []
 
@@ -136,13 +166,14 @@ class Placer:
         self._sent.setdefault(engine.engine_id, _Sent()).add(now, hashes, routed=True)
         return Decision(names.engine_stream(engine.engine_id), engine.engine_id, reason, hit)
 
-    def learned(self, engine_id: str | None, token_ids: list[int], now: float | None = None) -> None:
+    def learned(self, engine_id: str | None, token_ids: list[int], lora_name: str = "",
+                now: float | None = None) -> None:
         """A request finished on `engine_id`: its prompt and output are in that engine's cache now (the
         next turn of a chat resends them), before its next block list says so."""
         engine = self.monitor.engines.get(engine_id) if engine_id else None
         if self.policy != "prefix" or engine is None or not engine.get("block_size"):
             return
-        hashes = prefix_block_hashes(token_ids, int(engine.get("block_size")))
+        hashes = prefix_block_hashes(token_ids, int(engine.get("block_size")), lora_name=lora_name)
         self._sent.setdefault(engine_id, _Sent()).add(time.monotonic() if now is None else now, hashes, routed=False)
 
     def forget(self, engine_ids: set[str]) -> None:

@@ -221,14 +221,13 @@ class ReplyRouter:
 
     # ------------------------------------------------------------------ watchdog
     def check(self, now: float | None = None) -> None:
-        """Fail requests past their deadline or waiting while no engine lives; move the requests
-        of an engine that stopped heartbeating. Called periodically."""
+        """Fail requests past their deadline or waiting while no engine of their model lives; move
+        the requests of an engine that stopped heartbeating. Called periodically."""
         now = time.monotonic() if now is None else now
-        no_engine_since = None
         # Cut off from Redis, the gateway cannot tell whether engines live: its requests wait for
         # the reply channel (failover.py: redis_grace), not for an engine.
-        if self._reads_redis(now) and not self.monitor.live_engines(now):
-            no_engine_since = max(self.monitor.last_any_alive(), self.monitor.started)
+        reads_redis = self._reads_redis(now)
+        no_engine_since: dict[int, float | None] = {}       # per model (id of its ServedModel)
         lost: dict[str, list[RequestState]] = {}
         unserved: list[RequestState] = []
         for s in list(self.streams.values()):
@@ -246,10 +245,16 @@ class ReplyRouter:
                 if self._reads_redis(now) and (self._engine_lost(s.routed_to, now) or not self._accepting(s.routed_to)
                                                or now - s.submitted > self.spill_timeout):
                     unserved.append(s)
-            elif no_engine_since is not None and now - max(no_engine_since, s.submitted) > self.engine_timeout:
-                self.counters["engine_lost"] += 1
-                self.fail(s, GenerationError(503, "no engine is alive to serve this request",
-                                             code="engine_lost"))
+            elif reads_redis:
+                key = id(s.model)
+                if key not in no_engine_since:
+                    view = s.model.view
+                    no_engine_since[key] = None if view.live else max(view.last_alive, self.monitor.started)
+                since = no_engine_since[key]
+                if since is not None and now - max(since, s.submitted) > self.engine_timeout:
+                    self.counters["engine_lost"] += 1
+                    self.fail(s, GenerationError(503, "no engine is alive to serve this request",
+                                                 code="engine_lost"))
         for engine_id, states in lost.items():
             self.counters["engine_lost"] += len(states)
             self.on_move(states, f"engine {engine_id} stopped responding while serving this request", True)
