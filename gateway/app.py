@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and served name (env KAITEN_MODEL; default: the default SmolLM2); repeat to serve several "
                         "(--served-model-name and --chat-template apply to the first)")
     p.add_argument("--models-file", dest="models_file", default=None,
-                   help="a JSON file of more models to serve (shared/models_file.py; env KAITEN_MODELS_FILE). "
+                   help="a JSON file of more models to serve, shared/models_file.py (env KAITEN_MODELS_FILE). "
                         "Models whose engines announce a directory this gateway can read are served too")
     p.add_argument("--redis-url", dest="redis_url", default=None, help="Redis URL (env REDIS_URL)")
     p.add_argument("--tokenizer-url", dest="tokenizer_url", default=None,

@@ -1,14 +1,18 @@
 """`kaiten serve` (alias `kaiten up`): the whole server on one machine, like `vllm serve`.
 
     kaiten serve [MODEL] [--host H] [--port P] [--redis-url URL] [vLLM-style flags]
+    kaiten serve --model A --model B [--engines-per-model N]      # several models, one gateway
+    kaiten serve --models-file models.json                         # names, engines and adapters per model
 
 1. resolves the model (``shared.model_source``: a directory, a GGUF file converted once, a repo id
    in the local Hugging Face cache, or the default SmolLM2 converted once);
 2. starts a local ``redis-server`` on a free port (no persistence) unless ``REDIS_URL``/``--redis-url``
    is given;
-3. runs one ``kaiten engine`` and one ``kaiten gateway`` as child processes (the gateway tokenizes
-   and detokenizes in-process: no tokenizer service, no ``TOKENIZER_URL``); the engine serves its
-   /metrics on ``KAITEN_METRICS_PORT``, else on 8002 or, where that is taken, a free port;
+3. runs the engines of each model (one by default, ``--engines-per-model`` or the models file's
+   ``engines``) and one ``kaiten gateway`` serving every model as child processes (the gateway
+   tokenizes and detokenizes in-process: no tokenizer service, no ``TOKENIZER_URL``); the first
+   engine serves its /metrics on ``KAITEN_METRICS_PORT``, else on 8002 or, where that is taken, a
+   free port, and every other engine on a free port;
 4. waits until the gateway answers ``GET /ready``, then prints the URL and a curl line to try;
 5. stops every child cleanly on Ctrl-C/SIGTERM (gateway first, Redis last); if any child dies,
    stops the rest and exits non-zero.
@@ -38,6 +42,7 @@ from pathlib import Path
 from shared.generation_defaults import GenerationDefaults, load_generation_defaults
 from shared.log_format import setup_logging
 from shared.model_source import ModelNotFoundError, resolve_model
+from shared.models_file import ModelEntry, load_models_file
 from shared.redis_conn import redact_url
 from shared.up_flags import EPILOG, add_child_flags, child_args, child_env
 from shared.version import kaiten_version
@@ -232,11 +237,13 @@ def _cuda_available() -> bool:
         return False
 
 
-def banner(base: str, name: str, defaults: GenerationDefaults, keyed: bool = False) -> str:
+def banner(base: str, name: str, defaults: GenerationDefaults, keyed: bool = False,
+           others: list[str] = ()) -> str:
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     auth = " -H 'Authorization: Bearer <your --api-key>'" if keyed else ""
-    return (f"\nKaiten is up: {base}  (chat page: {base}/ , OpenAI API: {base}/v1)\n"
-            f"Default sampling for fields a request leaves unset: {defaults.describe()}\n"
+    more = f"Models: {', '.join([name, *others])}\n" if others else ""
+    return (f"\nKaiten is up: {base}  (chat page: {base}/ , OpenAI API: {base}/v1)\n{more}"
+            f"Default sampling for fields a request leaves unset ({name}): {defaults.describe()}\n"
             f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
             f"Ctrl-C stops it.\n")
 
@@ -247,14 +254,22 @@ def _env(name: str, default, typ=str):
 
 
 def build_parser(prog: str = "kaiten serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run Redis (if needed), one engine worker and one gateway "
-                                "for MODEL; Ctrl-C stops them all. `kaiten serve` and `kaiten up` are the same "
+    p = argparse.ArgumentParser(prog=prog, description="Run Redis (if needed), the engine workers of each model "
+                                "and one gateway serving them all; Ctrl-C stops them all. `kaiten serve` and `kaiten up` are the same "
                                 "command.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"kaiten {kaiten_version()}")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a model directory, a GGUF file (converted once into KAITEN_MODELS_DIR) or a Hugging Face "
                         "repo id in the local cache (env KAITEN_MODEL; default: the default SmolLM2, converted once)")
-    p.add_argument("--model", default=None, help="the same as MODEL (env KAITEN_MODEL)")
+    p.add_argument("--model", action="append", default=None,
+                   help="the same as MODEL (env KAITEN_MODEL); repeat to serve several models behind one gateway "
+                        "(--served-model-name names the first)")
+    p.add_argument("--models-file", default=os.environ.get("KAITEN_MODELS_FILE", ""),
+                   help="a JSON file of models to serve as well: served names, engines per model, LoRA adapters "
+                        "(shared/models_file.py) (env KAITEN_MODELS_FILE)")
+    p.add_argument("--engines-per-model", type=int, default=_env("KAITEN_ENGINES_PER_MODEL", 1, int),
+                   help="engines for each MODEL / --model (env KAITEN_ENGINES_PER_MODEL, default 1; the models "
+                        "file says its own)")
     p.add_argument("--host", default=_env("KAITEN_HOST", "127.0.0.1"),
                    help="gateway address (env KAITEN_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, default=_env("KAITEN_PORT", 8000, int),
@@ -269,17 +284,31 @@ def build_parser(prog: str = "kaiten serve") -> argparse.ArgumentParser:
     return p
 
 
-def model_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """MODEL or --model (not two different ones), else KAITEN_MODEL, else "" (the default model)."""
-    if args.model_tag and args.model and args.model_tag != args.model:
-        parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
-    return args.model_tag or args.model or os.environ.get("KAITEN_MODEL", "")
+def model_entries(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[ModelEntry], list[ModelEntry]]:
+    """MODEL and each --model (MODEL alone, or the first --model, is the one --served-model-name
+    names; "" is the default model), then the models file's; at least one."""
+    given = ([args.model_tag] if args.model_tag else []) + [m for m in args.model or [] if m != args.model_tag]
+    if args.models_file:
+        try:
+            from_file = load_models_file(args.models_file)
+        except ValueError as e:
+            parser.error(str(e))
+    else:
+        from_file = []
+    if not given and not from_file:
+        given = [os.environ.get("KAITEN_MODEL", "")]
+    if args.engines_per_model < 1:
+        parser.error("--engines-per-model must be at least 1")
+    first_name = args.served_model_name or ""
+    cli = [ModelEntry(m, first_name if i == 0 else "", args.engines_per_model) for i, m in enumerate(given)]
+    return cli, from_file
 
 
 def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    spec = model_spec(args, parser)
+    cli, from_file = model_entries(args, parser)
+    entries = cli + from_file
     setup_logging(args.log_level or os.environ.get("KAITEN_LOG_LEVEL", "INFO"),
                   args.log_format or os.environ.get("KAITEN_LOG_FORMAT", "text"))
     sup = Supervisor(stop_timeout=args.stop_timeout)
@@ -297,13 +326,14 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
         return 2
 
     try:
-        model = str(resolve_model(spec))
+        dirs = [str(resolve_model(e.model)) for e in entries]
     except ModelNotFoundError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     if sup.stopping.is_set():
         return 130
-    log.info("model: %s", model)
+    for e, d in zip(entries, dirs):
+        log.info("model: %s (%d engine%s)", d, e.engines, "" if e.engines == 1 else "s")
 
     try:
         redis_url = args.redis_url
@@ -313,18 +343,23 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
             redis_child, redis_url = start_local_redis()
             sup.children.append(redis_child)
         log.info("redis at %s", redact_url(redis_url))
-        engine_env = _child_env(KAITEN_MODEL=model, REDIS_URL=redis_url)
-        # The gateway stops first, so there is nobody left to drain in-flight requests for.
-        engine_env.setdefault("KAITEN_DRAIN_TIMEOUT", "1")
-        engine_args = ["engine", "--model", model, "--redis-url", redis_url,
-                       "--metrics-port", str(engine_metrics_port(args.port)), *child_args(args, "engine")]
-        if args.device is None and "KAITEN_DEVICE" not in os.environ and _cuda_available():
-            engine_args += ["--device", "cuda"]
-        sup.add(Child("engine", _kaiten(*engine_args), engine_env))
-        sup.add(Child("gateway", _kaiten("gateway", "--host", args.host, "--port", str(args.port), "--model", model,
-                                         *child_args(args, "gateway")),
-                      _child_env(KAITEN_MODEL=model, KAITEN_HOST=args.host, KAITEN_PORT=str(args.port),
-                                 REDIS_URL=redis_url, TOKENIZER_URL="", **child_env(args, "gateway"))))
+        metrics_port = engine_metrics_port(args.port)
+        for i, (entry, model) in enumerate(zip(entries, dirs)):
+            for k in range(entry.engines):
+                name = "engine" if len(entries) == 1 and entry.engines == 1 else f"engine {i}.{k}"
+                port = metrics_port if (i, k) == (0, 0) or metrics_port == 0 else free_port()
+                env = _child_env(KAITEN_MODEL=model, REDIS_URL=redis_url)
+                # The gateway stops first, so there is nobody left to drain in-flight requests for.
+                env.setdefault("KAITEN_DRAIN_TIMEOUT", "1")
+                if i > 0:                        # KAITEN_SERVED_MODEL_NAME names the first model only
+                    env["KAITEN_SERVED_MODEL_NAME"] = ""
+                sup.add(Child(name, _kaiten(*engine_args(args, entry, model, redis_url, port)), env))
+        cli_dirs = dirs[:len(cli)]
+        sup.add(Child("gateway", _kaiten("gateway", "--host", args.host, "--port", str(args.port),
+                                         *gateway_model_args(args, cli_dirs), *child_args(args, "gateway")),
+                      _child_env(KAITEN_MODEL=cli_dirs[0] if cli_dirs else "", KAITEN_HOST=args.host,
+                                 KAITEN_PORT=str(args.port), REDIS_URL=redis_url, TOKENIZER_URL="",
+                                 **child_env(args, "gateway"))))
     except Exception as e:
         print(f"{prog}: {e}", file=sys.stderr)
         sup.stop_all()
@@ -334,14 +369,38 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
     deadline = time.monotonic() + args.ready_timeout
     if wait_http_ready(f"{base}/ready", sup, max(1.0, deadline - time.monotonic())):
         gen_mode = args.generation_config or os.environ.get("KAITEN_GENERATION_CONFIG", "auto")
-        name = args.served_model_name or os.environ.get("KAITEN_SERVED_MODEL_NAME") or Path(model).name
+        names = [e.served_model_name or Path(d).name for e, d in zip(entries, dirs)]
+        if not entries[0].served_model_name:
+            names[0] = os.environ.get("KAITEN_SERVED_MODEL_NAME") or names[0]
         keyed = bool(args.api_key or os.environ.get("KAITEN_API_KEYS"))
-        print(banner(base, name, load_generation_defaults(model, gen_mode), keyed), flush=True)
+        print(banner(base, names[0], load_generation_defaults(dirs[0], gen_mode), keyed, names[1:]), flush=True)
     elif not sup.stopping.is_set() and sup.check() is None:
         log.error("the gateway was not ready after %.0f s", args.ready_timeout)
         sup.stop_all()
         return 1
     return sup.wait()
+
+
+def engine_args(args: argparse.Namespace, entry: ModelEntry, model: str, redis_url: str, metrics_port: int) -> list[str]:
+    """One engine of `entry`: its model, served name and adapters, then serve's engine flags and
+    the file's engine_args (last, so they win)."""
+    out = ["engine", "--model", model, "--redis-url", redis_url, "--metrics-port", str(metrics_port)]
+    if entry.served_model_name:
+        out += ["--served-model-name", entry.served_model_name]
+    if entry.lora_modules:
+        out += ["--lora-modules", *(f"{k}={v}" for k, v in entry.lora_modules.items())]
+    out += child_args(args, "engine")
+    if args.device is None and "KAITEN_DEVICE" not in os.environ and _cuda_available():
+        out += ["--device", "cuda"]
+    return out + list(entry.engine_args)
+
+
+def gateway_model_args(args: argparse.Namespace, cli_dirs: list[str]) -> list[str]:
+    """--model for every model given on the command line (resolved), and the models file."""
+    out = [a for d in cli_dirs for a in ("--model", d)]
+    if args.models_file:
+        out += ["--models-file", args.models_file]
+    return out
 
 
 if __name__ == "__main__":

@@ -278,17 +278,63 @@ def test_serve_help_names_the_variable_of_every_flag():
     assert out.returncode == 0 and out.stdout.startswith("usage: kaiten up ") and "HF_HUB_CACHE" in out.stdout
 
 
-def test_serve_takes_the_model_as_argument_or_flag(monkeypatch, capsys):
-    from shared.launcher import build_parser, model_spec
+def test_serve_takes_the_models_as_argument_flags_or_file(monkeypatch, capsys, tmp_path):
+    from shared.launcher import build_parser, model_entries
     parser = build_parser()
     monkeypatch.setenv("KAITEN_MODEL", "from/env")
-    assert model_spec(parser.parse_args(["org/a"]), parser) == "org/a"
-    assert model_spec(parser.parse_args(["--model", "org/a", "--port", "1"]), parser) == "org/a"
-    assert model_spec(parser.parse_args(["--port", "1", "org/a", "--model", "org/a"]), parser) == "org/a"
-    assert model_spec(parser.parse_args([]), parser) == "from/env"
+
+    def models(*argv):
+        cli, from_file = model_entries(parser.parse_args(list(argv)), parser)
+        return [(e.model, e.served_model_name, e.engines) for e in cli + from_file]
+    assert models("org/a") == [("org/a", "", 1)]
+    assert models("--model", "org/a", "--port", "1") == [("org/a", "", 1)]
+    assert models("--port", "1", "org/a", "--model", "org/a") == [("org/a", "", 1)]
+    assert models() == [("from/env", "", 1)]
+    assert models("org/a", "--model", "org/b", "--served-model-name", "x", "--engines-per-model", "2") == [
+        ("org/a", "x", 2), ("org/b", "", 2)]
+    spec = tmp_path / "models.json"
+    spec.write_text(json.dumps({"models": [{"model": "org/c", "served_model_name": "c", "engines": 3}]}))
+    assert models("--models-file", str(spec)) == [("org/c", "c", 3)]
+    assert models("org/a", "--models-file", str(spec)) == [("org/a", "", 1), ("org/c", "c", 3)]
+    spec.write_text("[]")
     with pytest.raises(SystemExit) as e:
-        model_spec(parser.parse_args(["org/a", "--model", "org/b"]), parser)
-    assert e.value.code == 2 and "two models given" in capsys.readouterr().err
+        models("--models-file", str(spec))
+    assert e.value.code == 2 and "at least one model" in capsys.readouterr().err
+
+
+def test_serve_two_models_behind_one_gateway(tiny_model_dir, tmp_path):
+    """`kaiten serve --model A --model B`: an engine for each, one gateway; each model answers."""
+    from tests.tiny_model import build_tiny_model
+    other = build_tiny_model(tmp_path / "tiny-qwen", arch="qwen2", seed=3, vocab_size=320, max_position_embeddings=256)
+    port = free_port()
+    proc = _run_up(["--model", str(tiny_model_dir), "--model", str(other), "--port", str(port),
+                    "--served-model-name", "first", "--stop-timeout", "10"], command="serve")
+    try:
+        text = _wait_banner(proc)
+        assert "Kaiten is up" in text and f"Models: first, {other.name}" in text, text
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(100):            # /ready needs one engine; wait for both
+            cards = {c["id"]: c for c in _get(f"{base}/v1/models")[1]["data"]}
+            if all(c["engines"] == 1 for c in cards.values()):
+                break
+            time.sleep(0.2)
+        assert {k: (c["engines"], c["max_model_len"]) for k, c in cards.items()} == {
+            "first": (1, 512), other.name: (1, 256)}
+        for model in ("first", other.name):
+            body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 3}).encode()
+            req = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert json.loads(resp.read())["model"] == model
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        text += out.decode(errors="replace")
+        assert proc.returncode == 0, text
+        assert {"engine 0.0", "engine 1.0", "gateway", "redis"} <= set(_pids(text)), text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_kaiten_version():
