@@ -103,7 +103,9 @@ def check_monitoring(cfg: dict) -> None:
     (by service name, so replicas are found); Grafana gets the datasource and the dashboard."""
     services = cfg["services"]
     assert services["prometheus"]["profiles"] == ["monitoring"] and services["grafana"]["profiles"] == ["monitoring"]
-    for name in ("engine", "engine-cpu"):
+    for name in ("engine", "engine-cpu", "engine-cpu-2"):
+        if name not in services:                 # `docker compose config` drops inactive profiles
+            continue
         env = services[name]["environment"]
         assert (env["KAITEN_METRICS_HOST"], str(env["KAITEN_METRICS_PORT"])) == ("0.0.0.0", "8002"), name
         assert "8002" in json.dumps(services[name].get("expose", [])), name
@@ -117,7 +119,7 @@ def check_monitoring(cfg: dict) -> None:
     prom = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
     sd = {name: (j["dns_sd_configs"][0]["names"], j["dns_sd_configs"][0]["port"]) for name, j in jobs.items()}
-    assert sd == {"kaiten-gateway": (["gateway"], 8000), "kaiten-engine": (["engine", "engine-cpu"], 8002)}
+    assert sd == {"kaiten-gateway": (["gateway"], 8000), "kaiten-engine": (["engine", "engine-cpu", "engine-cpu-2"], 8002)}
     ds = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
     assert [(d["uid"], d["url"]) for d in ds] == [("kaiten-prometheus", "http://prometheus:9090")]
     provider = yaml.safe_load((MONITORING / "grafana/provisioning/dashboards/kaiten.yml").read_text())["providers"][0]
@@ -146,7 +148,22 @@ def test_compose_file_structure():
     check_config(cfg)
     check_monitoring(cfg)
     check_ha(cfg)
+    check_second_model(cfg)
     assert "models" in cfg["volumes"]
+
+
+def check_second_model(cfg: dict) -> None:
+    """Profile second-model: another model with its own CPU engine pool, converted by its own
+    model-init; the gateways find it in its engines' heartbeats."""
+    services = cfg["services"]
+    engine, init = services["engine-cpu-2"], services["model-init-2"]
+    assert engine["profiles"] == init["profiles"] == ["second-model"]
+    env = engine["environment"]
+    assert env["KAITEN_MODEL"] == init["environment"]["KAITEN_MODEL"] == "${KAITEN_MODEL_2:-}"
+    assert env["KAITEN_SERVED_MODEL_NAME"] == "${KAITEN_SERVED_MODEL_NAME_2:-second}"
+    assert engine["command"] == ["engine"] and init["command"] == ["convert"]
+    assert "model-init-2" in engine["depends_on"] and "shared.healthcheck engine" in _cmd_text(
+        engine["healthcheck"]["test"])
 
 
 def _compose_cmd() -> list[str] | None:
