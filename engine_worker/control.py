@@ -34,7 +34,7 @@ class Controls:
     def _run(self, c: Control) -> tuple[int, str]:
         add, remove = getattr(self.engine, "add_lora", None), getattr(self.engine, "remove_lora", None)
         if add is None or remove is None:
-            return 501, "this engine cannot load LoRA adapters (its LLMEngine has no add_lora/remove_lora)"
+            return 400, "this engine cannot load LoRA adapters (its LLMEngine has no add_lora/remove_lora)"
         try:
             if c.op == "unload_lora":
                 if not remove(c.lora_name):

@@ -23,7 +23,7 @@ from shared.protocol import Abort, GenerateRequest, encode
 from .api.errors import APIError
 from .api.openai_api import ModelContext, ParsedRequest
 from .backend.alive import AliveKey
-from .backend.engines import EngineMonitor
+from .backend.engines import EngineMonitor, load_of
 from .backend.failover import Failover
 from .backend.generation import SubGeneration, SubRequest
 from .backend.output import OutputProcessor, RequestState, StopChecker
@@ -47,7 +47,8 @@ def model_specs(config: GatewayConfig) -> list[ModelSpec]:
     default model, unless other models are named), each further --model, and those of --models-file."""
     specs = []
     if config.model or not (config.extra_models or config.models_file):
-        specs.append(ModelSpec(resolve_model_dir(config.model), config.served_model_name, config.chat_template))
+        specs.append(ModelSpec(resolve_model_dir(config.model), config.served_model_name, config.chat_template,
+                               tokenizer_url=config.tokenizer_url))
     specs += [ModelSpec(resolve_model_dir(m)) for m in config.extra_models]
     if config.models_file:
         for entry in load_models_file(config.models_file):
@@ -65,10 +66,10 @@ class Gateway:
         self.alive_key = names.gateway_alive_key(self.gateway_id)
         self.metrics = GatewayMetrics()
         # Generated tokens are always detokenized here, in-process; prompts go through each model's
-        # `tokenizer` (the same tokenizer, or the tokenizer service when config.tokenizer_url is set).
+        # `tokenizer` (the same tokenizer, or for --model the tokenizer service at config.tokenizer_url).
         # --generation-config names a directory for the first model; auto or vllm holds for every one.
         mode = config.generation_config if config.generation_config in ("auto", "vllm") else "auto"
-        self.models = ModelRegistry(self.metrics, config.tokenizer_url, mode)
+        self.models = ModelRegistry(self.metrics, mode)
         for i, spec in enumerate(model_specs(config)):
             self.models.add(spec, config.generation_config if i == 0 else None)
         self.redis = redis_client
@@ -186,7 +187,7 @@ class Gateway:
 
     def status(self) -> dict[str, Any]:
         default = self.models.default
-        load = default.view.load or self.monitor.load()
+        load = default.view.load or load_of(default.view.live, 0)
         return {"model": default.name, "engines": len(default.view.live),
                 "num_requests_running": load["num_running"],
                 "num_requests_waiting": load["num_waiting"] + load["backlog"],

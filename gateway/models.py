@@ -120,12 +120,13 @@ class ModelSpec:
     served_model_name: str = ""
     chat_template: str = ""
     dir_alias: bool = True            # also answer to the directory's name (not for a found model)
+    tokenizer_url: str = ""           # the tokenizer service for its prompts ("": in-process); the
+                                      # service tokenizes one model: the gateway's first
 
 
 class ModelRegistry:
-    def __init__(self, metrics: Any, tokenizer_url: str = "", generation_config: str = "auto"):
+    def __init__(self, metrics: Any, generation_config: str = "auto"):
         self.metrics = metrics
-        self.tokenizer_url = tokenizer_url
         self.generation_config = generation_config
         self.models: dict[str, ServedModel] = {}        # served name -> model, in the order added
         self._by_alias: dict[str, ServedModel] = {}
@@ -149,7 +150,7 @@ class ModelRegistry:
         text_tokenizer = ChatTokenizer.from_pretrained(model_dir)
         return ServedModel(
             name=name, model_dir=model_dir, aliases=tuple(aliases), text_tokenizer=text_tokenizer,
-            tokenizer=make_tokenizer(model_dir, self.tokenizer_url, text_tokenizer),
+            tokenizer=make_tokenizer(model_dir, spec.tokenizer_url, text_tokenizer),
             chat_template=load_chat_template(spec.chat_template),
             defaults=load_generation_defaults(model_dir, generation_config or self.generation_config),
             metrics=self.metrics.model(name), cfg_max_len=int(cfg.get("max_position_embeddings") or 0) or None,

@@ -149,14 +149,14 @@ def test_the_streams_are_per_model(deployment, tiny_model_dir, other_model_dir):
 
 
 def test_lora_endpoints_say_when_the_engine_cannot_load_adapters(deployment, tiny_model_dir, tmp_path):
-    """Before the engine has a LoRA API, a load is refused with the engine's reason (501); an
+    """Before the engine has a LoRA API, a load is refused with the engine's reason (400); an
     unknown adapter cannot be unloaded (404); the base model must be named when several are served."""
     g = deployment["gws"][0]
     from engine_worker.engine.llm_engine import LLMEngine
     body = {"lora_name": "sql", "lora_path": str(tmp_path), "model": tiny_model_dir.name}
     r = httpx.post(g.url + "/v1/load_lora_adapter", json=body, timeout=90, trust_env=False)
     if not hasattr(LLMEngine, "add_lora"):
-        assert r.status_code == 501 and "add_lora" in r.json()["error"]["message"], r.text
+        assert r.status_code == 400 and "add_lora" in r.json()["error"]["message"], r.text
     else:
         assert r.status_code == 400, r.text       # an empty directory is no adapter
     r = httpx.post(g.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/x"}, trust_env=False)
@@ -269,4 +269,4 @@ def test_engine_controls_apply_in_order_and_announce_outcomes():
     assert len(c.announce()["control_results"]) == RESULTS_KEPT and "1" not in c.announce()["control_results"]
     bare = Controls(object())
     bare.apply([Control("9", "load_lora", "a", "/ok/a")])
-    assert bare.announce() == {"adapters": {}, "control_results": {"9": [501, bare.results["9"][1]]}}
+    assert bare.announce() == {"adapters": {}, "control_results": {"9": [400, bare.results["9"][1]]}}

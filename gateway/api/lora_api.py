@@ -107,5 +107,5 @@ def _verdict(control: Control, results: list[list]) -> None:
         return
     status, message = next(r for r in results if r[0] != 200)
     where = f" ({len(ok)} of {len(results)} engines loaded it)" if ok else ""
-    raise APIError(int(status) if int(status) in (400, 404, 501) else 500, f"{message}{where}",
+    raise APIError(int(status) if int(status) in (400, 404) else 500, f"{message}{where}",
                    param="lora_path", code="lora_error")

@@ -19,6 +19,9 @@ ERRORS = {"400": "Invalid request (the error names the field in `param`)", "401"
           "404": "Unknown model", "413": "Request body too large",
           "429": "Too many queued requests (Retry-After)", "503": "No engine or tokenizer available (Retry-After)"}
 GENERATION_ERRORS = {**ERRORS, "500": "The generation failed", "504": "The generation timed out"}
+LORA_ERRORS = {**ERRORS, "400": "Invalid request, an adapter already loaded, or one the engines refuse (the reason)",
+               "404": "Unknown model or adapter", "500": "An engine failed to apply it",
+               "503": "No engine serves the model (Retry-After)", "504": "The engines did not confirm in time"}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -47,12 +50,12 @@ def _responses(ok: type[BaseModel] | None, errors: dict[str, str], stream: type[
     return out
 
 
-def _post(op_id: str, summary: str, body: Any, ok: type[BaseModel], errors: dict[str, str],
-          stream: type[BaseModel] | None = None) -> dict[str, Any]:
+def _post(op_id: str, summary: str, body: Any, ok: type[BaseModel] | None, errors: dict[str, str],
+          stream: type[BaseModel] | None = None, ok_content: dict | None = None) -> dict[str, Any]:
     schema = _ref(body) if isinstance(body, type) else body
     return {"post": {"operationId": op_id, "summary": summary, "security": [{"bearer": []}, {}],
                      "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-                     "responses": _responses(ok, errors, stream)}}
+                     "responses": _responses(ok, errors, stream, ok_content)}}
 
 
 def _get(op_id: str, summary: str, ok: type[BaseModel] | None = None, *, secured: bool = False,
@@ -69,7 +72,7 @@ def _get(op_id: str, summary: str, ok: type[BaseModel] | None = None, *, secured
 
 MODELS: list[type[BaseModel]] = [
     m.CompletionRequest, m.ChatCompletionRequest, m.TokenizeCompletionRequest, m.TokenizeChatRequest,
-    m.DetokenizeRequest, r.CompletionResponse, r.ChatCompletionResponse, r.CompletionChunk,
+    m.DetokenizeRequest, m.LoadLoRAAdapterRequest, m.UnloadLoRAAdapterRequest, r.CompletionResponse, r.ChatCompletionResponse, r.CompletionChunk,
     r.ChatCompletionChunk, r.TokenizeResponse, r.DetokenizeResponse, r.ModelList, r.ModelCard, r.ErrorResponse,
 ]
 
@@ -92,7 +95,14 @@ def spec(version: str) -> dict[str, Any]:
                            r.TokenizeResponse, ERRORS),
         "/detokenize": _post("detokenize", "Token ids as text (vLLM)", m.DetokenizeRequest, r.DetokenizeResponse,
                              ERRORS),
-        "/v1/models": _get("listModels", "The served model", r.ModelList, secured=True, errors={"401": ERRORS["401"]}),
+        "/v1/load_lora_adapter": _post("loadLoraAdapter", "Load a LoRA adapter on every engine of its base model "
+                                       "(vLLM's route; answers once they all have it)", m.LoadLoRAAdapterRequest,
+                                       None, LORA_ERRORS, ok_content=text),
+        "/v1/unload_lora_adapter": _post("unloadLoraAdapter", "Unload a LoRA adapter from its base model's engines "
+                                         "(vLLM's route)", m.UnloadLoRAAdapterRequest, None, LORA_ERRORS,
+                                         ok_content=text),
+        "/v1/models": _get("listModels", "Every served model and LoRA adapter (an adapter's parent is its base "
+                                         "model)", r.ModelList, secured=True, errors={"401": ERRORS["401"]}),
         "/v1/models/{model}": _get("retrieveModel", "One model", r.ModelCard, secured=True,
                                    errors={"401": ERRORS["401"], "404": ERRORS["404"]},
                                    parameters=[{"name": "model", "in": "path", "required": True,
