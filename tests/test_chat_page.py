@@ -786,6 +786,23 @@ def test_the_single_chat_of_older_versions_becomes_a_past_chat(browser, stack):
         context.close()
 
 
+def test_model_picker_lists_the_models_and_sends_the_choice(page, stack):
+    """Settings > Model: the models (and adapters) of GET /v1/status; the choice goes with each
+    message, and the reply names it."""
+    pg = page
+    name = Path(stack.model_dir).name
+    pg.wait_for_function("(n) => [...document.querySelectorAll('#model option')].some(o => o.value === n)",
+                         arg=name, timeout=10_000)
+    assert pg.eval_on_selector("#model", "s => s.options[0].value") == ""        # the server's default
+    pg.select_option("#model", name)
+    settings(pg, temperature=0, top_p=1.0, max_tokens=4, seed=0)
+    send(pg, "Which model are you?")
+    reply = wait_reply_state(pg, ("done", "error"))
+    assert reply.get_attribute("data-state") == "done", reply.inner_text()
+    assert snapshot(pg)["messages"][-1]["model"] == name
+    assert json.loads(pg.evaluate("localStorage.getItem('kaiten.settings.v1')"))["model"] == name
+
+
 def test_status_line_ignores_a_stale_answer(page, stack):
     """A slow /v1/status answer that arrives after a newer one never overwrites it (the page once
     read "running 1" after the reply had finished)."""

@@ -20,7 +20,7 @@
   var SETTINGS_KEY = "kaiten.settings.v1";
   // An empty sampling field is left out of the request: the server applies the model's default
   // (its generation_config.json), which the form shows as the placeholder (from /v1/status).
-  var DEFAULTS = { system: "", temperature: "", top_p: "", max_tokens: "", seed: "" };
+  var DEFAULTS = { model: "", system: "", temperature: "", top_p: "", max_tokens: "", seed: "" };
   var BACKOFF_MIN_MS = 500;
   var BACKOFF_MAX_MS = 8000;
   var PING_EVERY_MS = 15000;
@@ -36,7 +36,7 @@
     conn: $("conn"), connText: $("conn-text"), engineStatus: $("engine-status"),
     banner: $("conn-banner"), bannerText: $("conn-banner-text"), reconnectNow: $("reconnect-now"),
     settings: $("settings"), settingsToggle: $("settings-toggle"), resetSettings: $("reset-settings"),
-    system: $("system"), temperature: $("temperature"), top_p: $("top_p"),
+    model: $("model"), system: $("system"), temperature: $("temperature"), top_p: $("top_p"),
     max_tokens: $("max_tokens"), seed: $("seed"), template: $("msg-template"),
   };
 
@@ -103,6 +103,8 @@
     return out;
   }
   function applySettingsToForm() {
+    els.model.value = settings.model;
+    if (els.model.value !== settings.model) addModelOption(settings.model);   // not listed (yet)
     els.system.value = settings.system;
     els.temperature.value = settings.temperature;
     els.top_p.value = settings.top_p;
@@ -111,6 +113,7 @@
   }
   function readSettingsFromForm() {
     settings = {
+      model: els.model.value,
       system: els.system.value,
       temperature: els.temperature.value,
       top_p: els.top_p.value,
@@ -125,6 +128,7 @@
   }
   function requestParams() {
     var p = {};
+    if (settings.model) p.model = settings.model;
     var t = num(settings.temperature, 0, 2), tp = num(settings.top_p, 0.01, 1), mt = num(settings.max_tokens, 1, 1e6);
     if (t !== null) p.temperature = t;
     if (tp !== null) p.top_p = tp;
@@ -385,7 +389,7 @@
       if (!m || m.state !== "queued") { outbox.shift(); continue; }
       var p = m.params || requestParams();
       var frame = { type: "chat", id: m.id, messages: historyBefore(m) };
-      ["temperature", "top_p", "max_tokens", "seed"].forEach(function (k) { if (p[k] != null) frame[k] = p[k]; });
+      ["model", "temperature", "top_p", "max_tokens", "seed"].forEach(function (k) { if (p[k] != null) frame[k] = p[k]; });
       if (!sendFrame(frame)) break;
       outbox.shift();
       m.state = "streaming";
@@ -797,6 +801,36 @@
     if (document.visibilityState === "visible" && !ws) reconnectSoon();
   });
 
+  // The model picker: every model and adapter in /v1/status (a chosen one the server no longer
+  // lists stays, so the choice survives a restart of its engines), and the chosen one's defaults.
+  function addModelOption(name) {
+    if (!name) return;
+    var o = document.createElement("option");
+    o.value = name;
+    o.textContent = name;
+    els.model.appendChild(o);
+    els.model.value = name;
+  }
+  function showModels(s) {
+    var models = Array.isArray(s.models) ? s.models : [];
+    var names = [];
+    models.forEach(function (m) {
+      names.push(m.model);
+      (m.adapters || []).forEach(function (a) { names.push(a); });
+    });
+    var have = Array.prototype.map.call(els.model.options, function (o) { return o.value; }).slice(1);
+    if (names.join("\n") !== have.join("\n")) {
+      var chosen = els.model.value;
+      while (els.model.options.length > 1) els.model.remove(1);
+      names.forEach(function (n) { var o = document.createElement("option"); o.value = n; o.textContent = n; els.model.appendChild(o); });
+      els.model.value = chosen;
+      if (els.model.value !== chosen) addModelOption(chosen);
+    }
+    els.model.options[0].textContent = "the server's default" + (s.model ? " (" + s.model + ")" : "");
+    var base = models.find(function (m) { return m.model === settings.model || (m.adapters || []).indexOf(settings.model) >= 0; });
+    showServerDefaults(base ? base.generation_defaults : s.generation_defaults);
+  }
+
   // The sampling fields' placeholders: the model's defaults, which an empty field leaves to the server.
   function showServerDefaults(d) {
     if (!d) return;
@@ -861,9 +895,10 @@
     if (!wsOpen) { if (ws) onSocketClosed("new API key"); reconnectSoon(); }
   });
   $("api-key-open").addEventListener("click", function () { closeSettings(); window.KaitenAuth.open(); });
-  ["system", "temperature", "top_p", "max_tokens", "seed"].forEach(function (k) {
+  ["model", "system", "temperature", "top_p", "max_tokens", "seed"].forEach(function (k) {
     els[k].addEventListener("change", readSettingsFromForm);
   });
+  els.model.addEventListener("change", function () { window.KaitenStatus.poll(); });
   els.resetSettings.addEventListener("click", function () {
     settings = Object.assign({}, DEFAULTS);
     writeJSON(SETTINGS_KEY, settings);
@@ -909,6 +944,6 @@
   renderChatList();
   autosize();
   connect();
-  window.KaitenStatus.start(els.engineStatus, function (s) { showServerDefaults(s.generation_defaults); });
+  window.KaitenStatus.start(els.engineStatus, showModels);
   els.prompt.focus();
 })();
