@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
                 env.setdefault("KAITEN_DRAIN_TIMEOUT", "1")
                 if i > 0:                        # KAITEN_SERVED_MODEL_NAME names the first model only
                     env["KAITEN_SERVED_MODEL_NAME"] = ""
-                sup.add(Child(name, _kaiten(*engine_args(args, entry, model, redis_url, port)), env))
+                sup.add(Child(name, _kaiten(*engine_args(args, entry, model, redis_url, port, i == 0)), env))
         cli_dirs = dirs[:len(cli)]
         sup.add(Child("gateway", _kaiten("gateway", "--host", args.host, "--port", str(args.port),
                                          *gateway_model_args(args, cli_dirs), *child_args(args, "gateway")),
@@ -381,7 +381,12 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
     return sup.wait()
 
 
-def engine_args(args: argparse.Namespace, entry: ModelEntry, model: str, redis_url: str, metrics_port: int) -> list[str]:
+# Flags of `serve` that name one model's things: the first model's only (adapters fit one base model).
+FIRST_MODEL_ONLY = frozenset({"lora_modules"})
+
+
+def engine_args(args: argparse.Namespace, entry: ModelEntry, model: str, redis_url: str, metrics_port: int,
+                first: bool) -> list[str]:
     """One engine of `entry`: its model, served name and adapters, then serve's engine flags and
     the file's engine_args (last, so they win)."""
     out = ["engine", "--model", model, "--redis-url", redis_url, "--metrics-port", str(metrics_port)]
@@ -389,7 +394,7 @@ def engine_args(args: argparse.Namespace, entry: ModelEntry, model: str, redis_u
         out += ["--served-model-name", entry.served_model_name]
     if entry.lora_modules:
         out += ["--lora-modules", *(f"{k}={v}" for k, v in entry.lora_modules.items())]
-    out += child_args(args, "engine")
+    out += child_args(args, "engine", FIRST_MODEL_ONLY if entry.lora_modules or not first else frozenset())
     if args.device is None and "KAITEN_DEVICE" not in os.environ and _cuda_available():
         out += ["--device", "cuda"]
     return out + list(entry.engine_args)

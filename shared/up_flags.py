@@ -88,12 +88,13 @@ def add_child_flags(parser: argparse.ArgumentParser) -> None:
                             "(env KAITEN_LOG_FORMAT, default text)")
 
 
-def child_args(args: argparse.Namespace, child: str) -> list[str]:
-    """The flags given to `serve` that belong to `child`, as that child's command-line arguments."""
+def child_args(args: argparse.Namespace, child: str, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The flags given to `serve` that belong to `child` (but those whose dest is in `skip`), as
+    that child's command-line arguments."""
     out: list[str] = []
     for f in CHILD_FLAGS:
         value = getattr(args, f.dest)
-        if f.child != child or value is None:
+        if f.child != child or value is None or f.dest in skip:
             continue
         out += [f.flag] if f.type is None else [f.flag, str(value)]
     if args.log_level is not None:

@@ -302,6 +302,26 @@ def test_serve_takes_the_models_as_argument_flags_or_file(monkeypatch, capsys, t
     assert e.value.code == 2 and "at least one model" in capsys.readouterr().err
 
 
+def test_serve_gives_each_model_its_engines_flags(tmp_path):
+    """Per model: its served name and adapters (the models file's), serve's engine flags (its adapter
+    flags only for the first model: adapters fit one base model), then the file's engine_args."""
+    from shared.launcher import build_parser, engine_args, model_entries
+    parser = build_parser()
+    spec = tmp_path / "models.json"
+    spec.write_text(json.dumps({"models": [{"model": "org/b", "served_model_name": "b", "lora_modules": {"x": "/x"},
+                                            "engine_args": ["--max-num-seqs", "9"]}]}))
+    args = parser.parse_args(["org/a", "--models-file", str(spec), "--max-num-seqs", "3",
+                              "--served-model-name", "a"])
+    cli, from_file = model_entries(args, parser)
+    first = engine_args(args, cli[0], "/m/a", "redis://r", 8002, True)
+    assert first == ["engine", "--model", "/m/a", "--redis-url", "redis://r", "--metrics-port", "8002",
+                     "--served-model-name", "a", "--max-num-seqs", "3"]
+    second = engine_args(args, from_file[0], "/m/b", "redis://r", 0, False)
+    assert second == ["engine", "--model", "/m/b", "--redis-url", "redis://r", "--metrics-port", "0",
+                      "--served-model-name", "b", "--lora-modules", "x=/x", "--max-num-seqs", "3",
+                      "--max-num-seqs", "9"]
+
+
 def test_serve_two_models_behind_one_gateway(tiny_model_dir, tmp_path):
     """`kaiten serve --model A --model B`: an engine for each, one gateway; each model answers."""
     from tests.tiny_model import build_tiny_model

@@ -182,6 +182,11 @@ def test_adapter_load_and_unload_under_traffic(deployment, tiny_model_dir, tmp_p
     from tests.tiny_model import build_lora_adapter
     g = deployment["gws"][0]
     adapter = str(build_lora_adapter(tiny_model_dir, tmp_path / "sql", seed=5))
+    from engine_worker import LLM, SamplingParams
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", enforce_eager=True,
+              lora_modules=[f"sql={adapter}"])
+    want = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), lora_names=["sql"])[0].text
+    del llm
     errors: list[str] = []
     stop = threading.Event()
 
@@ -203,8 +208,8 @@ def test_adapter_load_and_unload_under_traffic(deployment, tiny_model_dir, tmp_p
         assert (cards["sql"]["parent"], cards["sql"]["root"], cards["sql"]["engines"]) == (tiny_model_dir.name,
                                                                                            adapter, 1)
         a, b = complete(g, "sql").json(), complete(g, "sql").json()
-        assert a["model"] == "sql" and a["choices"][0]["text"] == b["choices"][0]["text"]
-        assert a["choices"][0]["text"] != references[tiny_model_dir.name]     # the adapter changes the output
+        assert a["model"] == "sql" and a["choices"][0]["text"] == b["choices"][0]["text"] == want
+        assert want != references[tiny_model_dir.name]                      # the adapter changes the output
         r = httpx.post(g.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": adapter,
                                                                "model": tiny_model_dir.name}, trust_env=False)
         assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
