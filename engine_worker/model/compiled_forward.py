@@ -24,8 +24,10 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from engine_worker.model.lora_layers import LoraBatch
 from kernels.interface import AttentionBackend, AttentionMetadata, get_attention_backend
 
 log = logging.getLogger(__name__)
@@ -126,9 +128,11 @@ def configure_inductor() -> None:
     torch._functorch.config.enable_autograd_cache = True
 
 
-def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block_tables, slot_mapping):
+def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,
+             lora_index=None, lora_bounds=None):
     meta = AttentionMetadata(cu_seqlens_q, seqlens_k, block_tables, slot_mapping, 0, 0)
-    return model(ids, pos, kv_caches, meta, backend)
+    lora = None if lora_index is None else LoraBatch(lora_index, lora_bounds)
+    return model(ids, pos, kv_caches, meta, backend, lora)
 
 
 class CompiledForward:
@@ -137,25 +141,36 @@ class CompiledForward:
 
     The model, its KV cache and the backend are arguments of the compiled function, not
     constants: the weights are graph inputs, so another engine with the same model config in
-    this process reuses the graph instead of compiling its own."""
+    this process reuses the graph instead of compiling its own.
 
-    def __init__(self, model: torch.nn.Module, kv_caches, backend: AttentionBackend):
+    With LoRA slots (max_loras > 0) every step passes its LoraBatch, empty when no token uses an
+    adapter, so one graph serves base and adapter tokens alike."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches, backend: AttentionBackend, max_loras: int = 0):
         configure_inductor()
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.max_loras = max_loras
         self.ops = backend if backend.compile_safe else OpAttention(backend.name)
         for k_cache, v_cache in kv_caches:          # the pool's size differs between engines
             torch._dynamo.decorators.mark_unbacked(k_cache, 0)
             torch._dynamo.decorators.mark_unbacked(v_cache, 0)
         self._fn = torch.compile(_forward, dynamic=False, fullgraph=True)
 
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                 lora: LoraBatch | None = None) -> torch.Tensor:
         for t in (ids, pos, meta.slot_mapping, meta.cu_seqlens_q, meta.seqlens_k):
             torch._dynamo.decorators.mark_unbacked(t, 0)
         torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
         torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
+        extra = ()
+        if self.max_loras > 0:
+            if lora is None:
+                lora = LoraBatch.build(np.full(len(ids), -1, dtype=np.int64), self.max_loras, ids.device)
+            torch._dynamo.decorators.mark_unbacked(lora.token_index, 0)
+            extra = (lora.token_index, lora.bounds)
         with step_context(self.backend, meta):
             return self._fn(self.model, self.kv_caches, self.ops, ids, pos, meta.cu_seqlens_q, meta.seqlens_k,
-                            meta.block_tables, meta.slot_mapping)
+                            meta.block_tables, meta.slot_mapping, *extra)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
