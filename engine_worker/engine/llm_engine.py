@@ -125,11 +125,12 @@ class LLMEngine:
     def remove_lora(self, name: str) -> bool:
         """Stop serving `name` (False: not served). Requests already using it finish with it;
         its prefix-cache blocks are dropped once they have."""
-        if self.loras is None:
+        in_use = name in self.scheduler.loras_in_use()
+        if self.loras is None or not self.loras.remove(name, in_use):
             return False
-        removed = self.loras.remove(name, in_use=name in self.scheduler.loras_in_use())
-        self._retire_loras()
-        return removed
+        if not in_use:
+            self.block_manager.drop_root(root_hash(name))
+        return True
 
     def lora_adapters(self) -> dict[str, str]:
         return {} if self.loras is None else dict(self.loras.paths)
@@ -227,7 +228,6 @@ class LLMEngine:
         """One iteration: schedule, run the model, sample; returns every request's news since the
         last step (aborts included)."""
         self._admit_compiled()
-        self._retire_loras()
         outputs, self._pending_outputs = self._pending_outputs, []
         start = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -239,6 +239,7 @@ class LLMEngine:
                 self.speculator.propose(self.scheduler.running)
                 if decoding:
                     self.speculator.observe_step(sum(batch.num_new_tokens), time.perf_counter() - start)
+        self._retire_loras()
         self.step_count += 1
         return outputs
 
