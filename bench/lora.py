@@ -9,9 +9,10 @@ rounds interleave the mixes; the table has the medians and the per-round ratio t
 An engine with LoRA disabled (--max-loras 0) runs the base-only mix in the same rounds: the
 cost of having slots when no request uses them.
 
-Also times the two ways to apply the adapters of a decode batch of 32 tokens (4 adapters, 8 tokens
-each) to one layer's projections: the segmented matmul per slot that the engine uses
-(kaiten::lora_sgmv) and a per-token gather of A and B followed by bmm (BGMV-like in torch ops).
+Also times three ways to apply the adapters of a decode batch of 32 tokens (4 adapters, 8 tokens
+each) to one layer's projections: kaiten::lora_add's two layouts (the runs padded for two bmm
+calls, which the engine uses for such a batch, and a pair of matmuls per slot, which it uses for
+uneven runs) and a per-token gather of A and B followed by bmm (BGMV-like in torch ops).
 
     .venv/bin/python bench/lora.py [--rounds 3] [--prompt-len 64] [--output-len 64]
 
@@ -37,7 +38,7 @@ from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.timing import median_ms  # noqa: E402
 from engine_worker.engine.llm_engine import LLMEngine  # noqa: E402
 from engine_worker.engine.sampling_params import SamplingParams  # noqa: E402
-from engine_worker.model.lora_layers import LoraBatch, lora_sgmv, projection_shapes  # noqa: E402
+from engine_worker.model.lora_layers import LoraBatch, lora_add, projection_shapes  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.model_source import resolve_model  # noqa: E402
 from tests.tiny_model import build_lora_adapter  # noqa: E402
@@ -101,25 +102,29 @@ def kernel_times(model_dir: Path, runs: int) -> dict:
     shapes = projection_shapes(ModelConfig.from_dir(model_dir))
     torch.manual_seed(0)
     slots = torch.arange(CONCURRENCY) % NUM_ADAPTERS
-    batch = LoraBatch.build(slots.numpy(), NUM_ADAPTERS, torch.device("cpu"))
-    weights = []
+    padded = LoraBatch.build(slots.numpy(), NUM_ADAPTERS, torch.device("cpu"))
+    assert padded.pad_index.numel(), "an even decode batch is padded"
+    sort = torch.argsort(slots, stable=True)
+    bounds = torch.arange(0, CONCURRENCY + 1, CONCURRENCY // NUM_ADAPTERS)
+    none = torch.zeros(0, dtype=torch.int64)
+    segmented = LoraBatch(sort, bounds, none.view(0, 0), none, torch.zeros(1, dtype=torch.int64))
+    layer = []
     for fan_in, outs in shapes.values():
         w = len(outs) * RANK
-        weights.append((torch.randn(CONCURRENCY, fan_in), torch.randn(NUM_ADAPTERS, fan_in, w),
-                        torch.randn(NUM_ADAPTERS, w, sum(outs)), torch.randn(CONCURRENCY, sum(outs))))
-
-    def segmented():
-        for x, a, b, y in weights:
-            idx = batch.token_index
-            y.index_add(0, idx, lora_sgmv(x.index_select(0, idx), a, b, batch.bounds))
+        layer.append((torch.randn(CONCURRENCY, sum(outs)), torch.randn(CONCURRENCY, fan_in),
+                      torch.randn(NUM_ADAPTERS, fan_in, w), torch.randn(NUM_ADAPTERS, w, sum(outs))))
 
     def gathered():
-        for x, a, b, y in weights:
+        for y, x, a, b in layer:
             y + torch.bmm(torch.bmm(x[:, None], a[slots]), b[slots])[:, 0]
     with torch.inference_mode():
-        seg = median_ms(segmented, runs)[0]
-        gat = median_ms(gathered, runs)[0]
-    return {"segmented_ms": seg, "gathered_ms": gat}
+        for y, x, a, b in layer:
+            assert torch.allclose(lora_add(y, x, a, b, *padded.args()), lora_add(y, x, a, b, *segmented.args()),
+                                  atol=1e-3)
+        return {name: median_ms(fn, runs)[0] for name, fn in (
+            ("padded_ms", lambda: [lora_add(y, x, a, b, *padded.args()) for y, x, a, b in layer]),
+            ("per_slot_ms", lambda: [lora_add(y, x, a, b, *segmented.args()) for y, x, a, b in layer]),
+            ("gathered_ms", gathered))}
 
 
 def write(report: dict) -> None:
@@ -144,9 +149,10 @@ def write(report: dict) -> None:
         lines.append(f"| {mix} | {m['base']} | {m['adapters']} | {statistics.median(vals):.1f} | "
                      f"{', '.join(f'{v:.1f}' for v in vals)} | {ratio:.2f} |")
     lines += ["", f"Applying 4 adapters to one layer's 4 projections for a decode batch of {CONCURRENCY} tokens "
-              f"(8 per adapter), fp32, median of {report['kernel_runs']} runs: segmented matmul per slot "
-              f"(kaiten::lora_sgmv, what the engine runs) {k['segmented_ms']:.3f} ms; per-token gather of A and B "
-              f"then bmm {k['gathered_ms']:.3f} ms ({k['gathered_ms'] / k['segmented_ms']:.1f}x slower)."]
+              f"(8 per adapter), fp32, median of {report['kernel_runs']} runs: kaiten::lora_add with the runs "
+              f"padded into two bmm calls (what the engine runs for such a batch) {k['padded_ms']:.3f} ms; the "
+              f"same op with a pair of matmuls per slot (its layout for uneven runs) {k['per_slot_ms']:.3f} ms; "
+              f"a per-token gather of A and B then bmm {k['gathered_ms']:.3f} ms."]
     (RESULTS / "lora.md").write_text("\n".join(lines) + "\n")
 
 

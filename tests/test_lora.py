@@ -254,3 +254,20 @@ def test_scheduler_lets_others_pass_a_waiting_adapter():
             sched.finish(s, "stop")
     batch = sched.schedule()
     assert [s.request_id for s in batch.seqs] == ["2", "1", "4"] and not sched.waiting
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3] * 8, [2] * 20 + [0] * 3 + [-1] * 5 + [3] * 4,
+                                   [1] * 40 + [0, 2, -1], [-1, 1, -1, 1], [-1] * 5])
+def test_lora_add_layouts_equal_per_token(slots):
+    """Both layouts (even runs padded for bmm, uneven runs per slot) give y + x A_s B_s per token."""
+    import numpy as np
+    from engine_worker.model.lora_layers import LoraBatch, lora_add
+    torch.manual_seed(0)
+    slots = np.array(slots)
+    x, y = torch.randn(len(slots), 24), torch.randn(len(slots), 40)
+    a, b = torch.randn(4, 24, 6), torch.randn(4, 6, 40)
+    batch = LoraBatch.build(slots, 4, torch.device("cpu"))
+    want = torch.stack([y[i] + (x[i] @ a[s] @ b[s] if s >= 0 else 0) for i, s in enumerate(slots)])
+    torch.testing.assert_close(lora_add(y, x, a, b, *batch.args()), want)
+    padded = bool(batch.pad_index.numel())
+    assert padded == (list(slots) in ([0, 1, 2, 3] * 8, [-1, 1, -1, 1]))

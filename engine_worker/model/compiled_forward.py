@@ -129,9 +129,9 @@ def configure_inductor() -> None:
 
 
 def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,
-             lora_index=None, lora_bounds=None):
+             *lora_args):
     meta = AttentionMetadata(cu_seqlens_q, seqlens_k, block_tables, slot_mapping, 0, 0)
-    lora = None if lora_index is None else LoraBatch(lora_index, lora_bounds)
+    lora = LoraBatch(*lora_args) if lora_args else None
     return model(ids, pos, kv_caches, meta, backend, lora)
 
 
@@ -166,8 +166,10 @@ class CompiledForward:
         if self.max_loras > 0:
             if lora is None:
                 lora = LoraBatch.build(np.full(len(ids), -1, dtype=np.int64), self.max_loras, ids.device)
-            torch._dynamo.decorators.mark_unbacked(lora.token_index, 0)
-            extra = (lora.token_index, lora.bounds)
+            for t in (lora.token_index, lora.pad_index, lora.scatter_index):
+                torch._dynamo.decorators.mark_unbacked(t, 0)
+            torch._dynamo.decorators.mark_unbacked(lora.pad_index, 1)
+            extra = lora.args()
         with step_context(self.backend, meta):
             return self._fn(self.model, self.kv_caches, self.ops, ids, pos, meta.cu_seqlens_q, meta.seqlens_k,
                             meta.block_tables, meta.slot_mapping, *extra)

@@ -1,12 +1,13 @@
 """Batched LoRA: each fused projection adds x A_s B_s for the tokens of the adapter in slot s.
 
 Every projection has a stack of max_loras slots, A [S, in, parts * R] and B [S, parts * R, out]
-(engine_worker/model/lora_weights.py lays an adapter out). A step sorts its adapter tokens by slot
-once (LoraBatch); each projection then gathers those rows, multiplies each slot's contiguous run
-by its own A and B (a segmented matmul, as punica's SGMV does), and adds the result back to those
-rows. Base-model tokens are not touched, and the work grows with the tokens that use an adapter,
-not with the number of adapters loaded. The segment loop is the custom op kaiten::lora_sgmv, so
-the compiled forward keeps one graph for every step.
+(engine_worker/model/lora_weights.py lays an adapter out). A step lays its adapter tokens out by
+slot once (LoraBatch), as punica's SGMV does; each projection then runs one op, kaiten::lora_add:
+where the slots' runs are even (decode steps), the runs padded to one length through two bmm
+calls; else (prefill chunks) a pair of matmuls per slot over its contiguous run. Base-model tokens
+are not touched, and the work grows with the tokens that use an adapter, not with the number of
+adapters loaded. The op is opaque to torch.compile, so the compiled forward keeps one graph for
+every step.
 """
 from __future__ import annotations
 
@@ -24,38 +25,76 @@ def projection_shapes(cfg) -> dict[str, tuple[int, list[int]]]:
     return {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [i, i]), "down": (i, [h])}
 
 
+# Pad the slots' runs to one length for two bmm calls while that at most doubles the rows (decode
+# batches); else one pair of matmuls per slot (prefill chunks). bench/lora.py times both.
+MAX_PADDING = 2.0
+
+
 @dataclass(slots=True)
 class LoraBatch:
-    """The step's adapter tokens: rows of the batch sorted by slot, and where each slot's run
-    starts (bounds[s]:bounds[s + 1] in token_index are slot s's rows)."""
+    """The step's adapter tokens, in one of two layouts (the other's tensors are empty).
+    Segmented: token_index, the batch rows of adapter tokens sorted by slot, and bounds
+    (bounds[s]:bounds[s + 1] in token_index are slot s's rows). Padded, where the runs are even
+    enough: slots first..first+K-1 as K runs of L, pad_index[k, l] the batch row at (slot
+    first + k, position l) or T (a zero row), and scatter_index the batch row each padded
+    position adds to (a pad: row 0, to which it adds zeros)."""
     token_index: torch.Tensor     # [N] int64
     bounds: torch.Tensor          # [max_loras + 1] int64
+    pad_index: torch.Tensor       # [K, L] int64
+    scatter_index: torch.Tensor   # [K * L] int64
+    first_slot: torch.Tensor      # [1] int64
 
     @classmethod
     def build(cls, slot_of_token: np.ndarray, num_slots: int, device: torch.device) -> "LoraBatch":
         """From each token's slot (-1: the base model)."""
         used = np.flatnonzero(slot_of_token >= 0)
         order = used[np.argsort(slot_of_token[used], kind="stable")]
+        counts = np.bincount(slot_of_token[used], minlength=num_slots)
         bounds = np.zeros(num_slots + 1, dtype=np.int64)
-        np.cumsum(np.bincount(slot_of_token[used], minlength=num_slots), out=bounds[1:])
-        return cls(torch.from_numpy(order.astype(np.int64)).to(device), torch.from_numpy(bounds).to(device))
+        np.cumsum(counts, out=bounds[1:])
+        active = np.flatnonzero(counts)
+        empty = np.zeros(0, dtype=np.int64)
+        pad, scatter, first = empty.reshape(0, 0), empty, 0
+        if len(active) and (active[-1] - active[0] + 1) * counts.max() <= MAX_PADDING * len(used):
+            first, runs, width = active[0], active[-1] - active[0] + 1, counts.max()
+            at = (np.repeat(np.arange(num_slots), counts) - first) * width \
+                + np.arange(len(used)) - np.repeat(bounds[:-1], counts)   # each sorted row's padded position
+            pad = np.full(runs * width, len(slot_of_token), dtype=np.int64)
+            pad[at] = order
+            scatter = np.where(pad == len(slot_of_token), 0, pad)
+            pad, order, bounds = pad.reshape(runs, width), empty, np.zeros(num_slots + 1, dtype=np.int64)
+        tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)   # noqa: E731
+        return cls(tensor(order), tensor(bounds), tensor(pad), tensor(scatter), tensor([first]))
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return self.token_index, self.bounds, self.pad_index, self.scatter_index, self.first_slot
 
 
-@torch.library.custom_op("kaiten::lora_sgmv", mutates_args=())
-def lora_sgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """x [N, in] sorted by slot -> [N, out]: rows bounds[s]:bounds[s+1] times a[s] then b[s]."""
-    out = x.new_empty((x.shape[0], b.shape[-1]))
+@torch.library.custom_op("kaiten::lora_add", mutates_args=())
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_index: torch.Tensor,
+             bounds: torch.Tensor, pad_index: torch.Tensor, scatter_index: torch.Tensor,
+             first_slot: torch.Tensor) -> torch.Tensor:
+    """y + x a_s b_s for each adapter token's slot s (LoraBatch says which, in either layout)."""
+    if pad_index.numel():
+        k, first = pad_index.shape[0], int(first_slot)
+        rows = torch.cat([x, x.new_zeros(1, x.shape[1])])[pad_index]                  # [K, L, in]
+        out = torch.bmm(torch.bmm(rows, a[first:first + k]), b[first:first + k])
+        return y.index_add(0, scatter_index, out.view(-1, out.shape[-1]))
+    if not token_index.numel():
+        return y.clone()
+    rows = x.index_select(0, token_index)
+    out = rows.new_empty((rows.shape[0], b.shape[-1]))
     edges = bounds.tolist()
     for s in range(len(edges) - 1):
         lo, hi = edges[s], edges[s + 1]
         if hi > lo:
-            torch.mm(torch.mm(x[lo:hi], a[s]), b[s], out=out[lo:hi])
-    return out
+            torch.mm(torch.mm(rows[lo:hi], a[s]), b[s], out=out[lo:hi])
+    return y.index_add(0, token_index, out)
 
 
-@lora_sgmv.register_fake
-def _lora_sgmv_fake(x, a, b, bounds):
-    return x.new_empty((x.shape[0], b.shape[-1]))
+@lora_add.register_fake
+def _lora_add_fake(y, x, a, b, token_index, bounds, pad_index, scatter_index, first_slot):
+    return torch.empty_like(y)
 
 
 class LoraStack(nn.Module):
@@ -69,8 +108,7 @@ class LoraStack(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
         """y (the base projection of x) plus each adapter token's LoRA term."""
-        idx = lora.token_index
-        return y.index_add(0, idx, lora_sgmv(x.index_select(0, idx), self.a, self.b, lora.bounds))
+        return lora_add(y, x, self.a, self.b, *lora.args())
 
     @torch.no_grad()
     def write(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:

@@ -243,7 +243,7 @@ class ModelRunner:
         logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
         new tokens, count), in order (None when there are none). `lora_slots`: see prepare."""
         ids, pos, meta, lora = self.prepare(batch, lora_slots)
-        base_only = lora is None or not lora.token_index.numel()
+        base_only = lora is None or not (lora.token_index.numel() or lora.pad_index.numel())
         if (self.graphs is not None and base_only and meta.is_decode_only
                 and meta.num_seqs <= self.graphs.max_batch):       # graphs are captured without LoRA
             hidden = self.graphs.run(ids, pos, meta)
