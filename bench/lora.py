@@ -107,7 +107,7 @@ def kernel_times(model_dir: Path, runs: int) -> dict:
     sort = torch.argsort(slots, stable=True)
     bounds = torch.arange(0, CONCURRENCY + 1, CONCURRENCY // NUM_ADAPTERS)
     none = torch.zeros(0, dtype=torch.int64)
-    segmented = LoraBatch(sort, bounds, none.view(0, 0), none, torch.zeros(1, dtype=torch.int64))
+    segmented = LoraBatch(sort, bounds, none, none, torch.zeros(2, dtype=torch.int64))
     layer = []
     for fan_in, outs in shapes.values():
         w = len(outs) * RANK

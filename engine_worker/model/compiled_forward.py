@@ -168,7 +168,6 @@ class CompiledForward:
                 lora = LoraBatch.build(np.full(len(ids), -1, dtype=np.int64), self.max_loras, ids.device)
             for t in (lora.token_index, lora.pad_index, lora.scatter_index):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
-            torch._dynamo.decorators.mark_unbacked(lora.pad_index, 1)
             extra = lora.args()
         with step_context(self.backend, meta):
             return self._fn(self.model, self.kv_caches, self.ops, ids, pos, meta.cu_seqlens_q, meta.seqlens_k,

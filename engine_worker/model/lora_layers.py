@@ -35,14 +35,15 @@ class LoraBatch:
     """The step's adapter tokens, in one of two layouts (the other's tensors are empty).
     Segmented: token_index, the batch rows of adapter tokens sorted by slot, and bounds
     (bounds[s]:bounds[s + 1] in token_index are slot s's rows). Padded, where the runs are even
-    enough: slots first..first+K-1 as K runs of L, pad_index[k, l] the batch row at (slot
-    first + k, position l) or T (a zero row), and scatter_index the batch row each padded
-    position adds to (a pad: row 0, to which it adds zeros)."""
+    enough: slots first..first+K-1 as K runs of L, pad_index[k * L + l] the batch row at (slot
+    first + k, position l) or T (a zero row), scatter_index the batch row each padded position
+    adds to (a pad: row 0, to which it adds zeros), and runs = [first, K]. (Flat, so that every
+    index tensor has stride 1 and the compiled graph never recompiles for a layout.)"""
     token_index: torch.Tensor     # [N] int64
     bounds: torch.Tensor          # [max_loras + 1] int64
-    pad_index: torch.Tensor       # [K, L] int64
+    pad_index: torch.Tensor       # [K * L] int64
     scatter_index: torch.Tensor   # [K * L] int64
-    first_slot: torch.Tensor      # [1] int64
+    runs: torch.Tensor            # [2] int64: first, K
 
     @classmethod
     def build(cls, slot_of_token: np.ndarray, num_slots: int, device: torch.device) -> "LoraBatch":
@@ -54,30 +55,38 @@ class LoraBatch:
         np.cumsum(counts, out=bounds[1:])
         active = np.flatnonzero(counts)
         empty = np.zeros(0, dtype=np.int64)
-        pad, scatter, first = empty.reshape(0, 0), empty, 0
+        pad, scatter, runs = empty, empty, (0, 0)
         if len(active) and (active[-1] - active[0] + 1) * counts.max() <= MAX_PADDING * len(used):
-            first, runs, width = active[0], active[-1] - active[0] + 1, counts.max()
+            first, width = active[0], counts.max()
+            runs = (first, active[-1] - first + 1)
             at = (np.repeat(np.arange(num_slots), counts) - first) * width \
                 + np.arange(len(used)) - np.repeat(bounds[:-1], counts)   # each sorted row's padded position
-            pad = np.full(runs * width, len(slot_of_token), dtype=np.int64)
+            pad = np.full(runs[1] * width, len(slot_of_token), dtype=np.int64)
             pad[at] = order
             scatter = np.where(pad == len(slot_of_token), 0, pad)
-            pad, order, bounds = pad.reshape(runs, width), empty, np.zeros(num_slots + 1, dtype=np.int64)
-        tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)   # noqa: E731
-        return cls(tensor(order), tensor(bounds), tensor(pad), tensor(scatter), tensor([first]))
+            order, bounds = empty, np.zeros(num_slots + 1, dtype=np.int64)
+        return cls(_flat(order, device), _flat(bounds, device), _flat(pad, device), _flat(scatter, device),
+                   _flat(runs, device))
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return self.token_index, self.bounds, self.pad_index, self.scatter_index, self.first_slot
+        return self.token_index, self.bounds, self.pad_index, self.scatter_index, self.runs
+
+
+def _flat(values, device: torch.device) -> torch.Tensor:
+    """A 1-D int64 tensor of stride 1, even when empty (torch gives an empty one stride 0, which
+    would fail the compiled graph's stride guard)."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    return t.as_strided((len(t),), (1,))
 
 
 @torch.library.custom_op("kaiten::lora_add", mutates_args=())
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_index: torch.Tensor,
              bounds: torch.Tensor, pad_index: torch.Tensor, scatter_index: torch.Tensor,
-             first_slot: torch.Tensor) -> torch.Tensor:
+             runs: torch.Tensor) -> torch.Tensor:
     """y + x a_s b_s for each adapter token's slot s (LoraBatch says which, in either layout)."""
     if pad_index.numel():
-        k, first = pad_index.shape[0], int(first_slot)
-        rows = torch.cat([x, x.new_zeros(1, x.shape[1])])[pad_index]                  # [K, L, in]
+        first, k = runs.tolist()
+        rows = torch.cat([x, x.new_zeros(1, x.shape[1])])[pad_index].view(k, -1, x.shape[1])   # [K, L, in]
         out = torch.bmm(torch.bmm(rows, a[first:first + k]), b[first:first + k])
         return y.index_add(0, scatter_index, out.view(-1, out.shape[-1]))
     if not token_index.numel():
@@ -93,7 +102,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 
 @lora_add.register_fake
-def _lora_add_fake(y, x, a, b, token_index, bounds, pad_index, scatter_index, first_slot):
+def _lora_add_fake(y, x, a, b, token_index, bounds, pad_index, scatter_index, runs):
     return torch.empty_like(y)
 
 
