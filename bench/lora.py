@@ -64,7 +64,9 @@ def run_once(engine: LLMEngine, prompts: list[list[int]], names: list[str], outp
     tokens, start = 0, time.perf_counter()
     while engine.has_unfinished():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return tokens / (time.perf_counter() - start)
+    rate = tokens / (time.perf_counter() - start)
+    print(f"  {tag}: {rate:.1f} tok/s", flush=True)
+    return rate
 
 
 def engine_rounds(args, model_dir: Path, adapters: dict[str, str]) -> dict:

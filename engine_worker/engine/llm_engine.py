@@ -112,6 +112,8 @@ class LLMEngine:
         for name, path in modules.items():
             registry.add(name, path)
             log.info("LoRA adapter %s loaded from %s", name, path)
+        if modules:
+            self.runner.warm_up_lora()
         return registry
 
     # ---- LoRA adapters -------------------------------------------------------------------------
@@ -121,6 +123,7 @@ class LLMEngine:
         if self.loras is None:
             raise ValueError("LoRA is disabled on this engine (max_loras is 0)")
         self.loras.add(name, path)
+        self.runner.warm_up_lora()
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving `name` (False: not served). Requests already using it finish with it;

@@ -143,8 +143,9 @@ class CompiledForward:
     constants: the weights are graph inputs, so another engine with the same model config in
     this process reuses the graph instead of compiling its own.
 
-    With LoRA slots (max_loras > 0) every step passes its LoraBatch, empty when no token uses an
-    adapter, so one graph serves base and adapter tokens alike."""
+    A step with adapter tokens passes its LoraBatch: a second graph, with the LoRA op, that
+    warm_up(lora=True) compiles (the engine does when it gets its first adapter), so steps of
+    the base model alone never run it."""
 
     def __init__(self, model: torch.nn.Module, kv_caches, backend: AttentionBackend, max_loras: int = 0):
         configure_inductor()
@@ -163,9 +164,7 @@ class CompiledForward:
         torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
         torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
         extra = ()
-        if self.max_loras > 0:
-            if lora is None:
-                lora = LoraBatch.build(np.full(len(ids), -1, dtype=np.int64), self.max_loras, ids.device)
+        if lora is not None:
             for t in (lora.token_index, lora.pad_index, lora.scatter_index):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
             extra = lora.args()
@@ -174,13 +173,13 @@ class CompiledForward:
                             meta.block_tables, meta.slot_mapping, *extra)
 
     @torch.inference_mode()
-    def warm_up(self) -> float:
+    def warm_up(self, lora: bool = False) -> float:
         """Compile (or load from Inductor's cache) before the first request: one graph serves
-        every batch shape. The warm-up batch writes no KV (slot -1). Its inputs are inference
-        tensors, as the runner's are (a tensor of another kind would fail a guard and recompile).
-        Returns the seconds taken."""
+        every batch shape (`lora`: the graph for steps with adapter tokens). The warm-up batch
+        writes no KV (slot -1). Its inputs are inference tensors, as the runner's are (a tensor of
+        another kind would fail a guard and recompile). Returns the seconds taken."""
         start = time.perf_counter()
-        log.info("compiling the model for %s (1/1) ...", self.model.__class__.__name__)
+        log.info("compiling the model for %s%s ...", self.model.__class__.__name__, " with LoRA" if lora else "")
         dev = self.kv_caches[0][0].device
         lens = [3, 1]
         meta = AttentionMetadata(
@@ -191,7 +190,8 @@ class CompiledForward:
             max_seqlen_q=3, max_seqlen_k=3, seqlens_q_list=lens, seqlens_k_list=lens)
         ids = torch.zeros(4, dtype=torch.int64, device=dev)
         pos = torch.tensor([0, 1, 2, 0], dtype=torch.int64, device=dev)
-        self(ids, pos, meta)
+        batch = LoraBatch.build(np.array([0, -1, 0, -1]), self.max_loras, dev) if lora else None
+        self(ids, pos, meta, batch)
         seconds = time.perf_counter() - start
         log.info("compiled the model in %.1f s (Inductor cache: %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds

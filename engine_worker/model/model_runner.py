@@ -81,6 +81,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(self._kv_budget())
         self.kv_caches = self._allocate_kv_cache()
         self.graphs: DecodeGraphRunner | None = None
+        self._lora_compiled = False
         self.compiled: CompiledForward | None = None
         if self.device.type == "cpu" and not config.enforce_eager:
             self.compiled = self._compile()
@@ -181,6 +182,12 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
+    def warm_up_lora(self) -> None:
+        """Compile the forward for steps with adapter tokens, once (the first adapter's load)."""
+        if self.compiled is not None and not self._lora_compiled:
+            self.compiled.warm_up(lora=True)
+            self._lora_compiled = True
+
     def _compile(self) -> CompiledForward | None:
         """The compiled CPU forward, or None (eager, with a warning) where Inductor cannot build
         it: its C++ code generation needs a C++ compiler, which a slim image may lack."""
@@ -197,8 +204,8 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, lora_slots: list[int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, LoraBatch | None]:
         """Pack the step's new tokens of every sequence, with positions, slots and block tables,
-        and, with LoRA enabled, its adapter tokens by slot (`lora_slots`: each sequence's adapter
-        slot, -1 for the base model; None: all base). Per-token values (positions, slots) come
+        and its adapter tokens by slot (`lora_slots`: each sequence's adapter slot, -1 for the
+        base model; None when no sequence uses an adapter). Per-token values (positions, slots) come
         from numpy ops over the batch, not Python loops."""
         seqs, qlens = batch.seqs, batch.num_new_tokens
         klens = [seq.num_computed_tokens + n for seq, n in zip(seqs, qlens)]
@@ -228,9 +235,8 @@ class ModelRunner:
             max_seqlen_q=max(qlens), max_seqlen_k=max(klens), seqlens_q_list=qlens, seqlens_k_list=klens)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         lora = None
-        if self.max_loras > 0:
-            slots = np.full(len(seqs), -1, dtype=np.int64) if lora_slots is None else np.array(lora_slots, dtype=np.int64)
-            lora = LoraBatch.build(slots[seq_of_token], self.max_loras, dev)
+        if lora_slots is not None:
+            lora = LoraBatch.build(np.array(lora_slots, dtype=np.int64)[seq_of_token], self.max_loras, dev)
         return ids, torch.from_numpy(positions).to(dev), meta, lora
 
     @torch.inference_mode()
@@ -243,14 +249,13 @@ class ModelRunner:
         logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
         new tokens, count), in order (None when there are none). `lora_slots`: see prepare."""
         ids, pos, meta, lora = self.prepare(batch, lora_slots)
-        base_only = lora is None or not (lora.token_index.numel() or lora.pad_index.numel())
-        if (self.graphs is not None and base_only and meta.is_decode_only
+        if (self.graphs is not None and lora is None and meta.is_decode_only
                 and meta.num_seqs <= self.graphs.max_batch):       # graphs are captured without LoRA
             hidden = self.graphs.run(ids, pos, meta)
         elif self.compiled is not None:
             hidden = self.compiled(ids, pos, meta, lora)
         else:
-            hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, None if base_only else lora)
+            hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, lora)
         if sample_counts is None or all(c == 1 for c in sample_counts):
             last = meta.cu_seqlens_q[1:].long() - 1
             rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
