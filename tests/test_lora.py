@@ -232,6 +232,13 @@ def test_lora_config_and_flags(monkeypatch):
     monkeypatch.setenv("KAITEN_MAX_CPU_LORAS", "7")
     env = EngineConfig.from_env()
     assert env.lora_module_paths() == {"c": "/z", "d": "/w"} and env.max_cpu_loras == 7
+    import argparse
+    from shared.up_flags import add_child_flags, child_args
+    serve = argparse.ArgumentParser()
+    add_child_flags(serve)
+    given = serve.parse_args(["--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-lora-rank", "8"])
+    assert child_args(given, "engine") == ["--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-lora-rank", "8"]
+    assert child_args(given, "gateway") == []
     for bad in (["nameonly"], ["=/p"], ["a=/x", "a=/y"]):
         with pytest.raises(ValueError, match="--lora-modules"):
             EngineConfig(lora_modules=bad).lora_module_paths()
