@@ -70,7 +70,8 @@ def run_once(engine: LLMEngine, prompts: list[list[int]], names: list[str], outp
 
 
 def engine_rounds(args, model_dir: Path, adapters: dict[str, str]) -> dict:
-    common = dict(model=str(model_dir), offline=True, kv_cache_memory="512MiB", max_num_seqs=CONCURRENCY)
+    common = dict(model=str(model_dir), offline=True, kv_cache_memory="512MiB", max_num_seqs=CONCURRENCY,
+                  num_threads=args.threads)
     lora = LLMEngine(EngineConfig(**common, lora_modules=[f"{n}={p}" for n, p in adapters.items()],
                                   max_loras=NUM_ADAPTERS, max_lora_rank=RANK))
     plain = LLMEngine(EngineConfig(**common, max_loras=0)) if args.disabled else None
@@ -164,10 +165,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--kernel-runs", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: one per core; 1 where other work shares the cores)")
     parser.add_argument("--no-disabled", dest="disabled", action="store_false",
                         help="skip the engine with LoRA disabled")
     args = parser.parse_args()
     model_dir = resolve_model("")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "load_before": load_avg(), "rounds": args.rounds,
               "prompt_len": args.prompt_len, "output_len": args.output_len, "kernel_runs": args.kernel_runs,
