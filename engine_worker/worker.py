@@ -266,7 +266,7 @@ class EngineWorker:
                 return
             try:
                 self.engine.add_request(rid, msg.prompt_token_ids, SamplingParams.from_dict(msg.params),
-                                        num_generated=msg.num_generated)
+                                        num_generated=msg.num_generated, lora_name=msg.lora_name)
             except (ValueError, TypeError) as e:
                 pub.done(entry.entry_id, entry.stream)
                 pub.terminal(msg.reply_to, rid, "error", str(e))
@@ -409,8 +409,11 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip: set[str]) -
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if isinstance(default, bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif isinstance(default, list):
+            parser.add_argument(flag, dest=f.name, nargs="+", default=None, metavar="VALUE",
+                                help=f"(env {cls.ENV_NAMES.get(f.name, 'KAITEN_' + f.name.upper())}, comma-separated)")
         else:
-            typ = type(default) if isinstance(default, (int, float)) else str
+            typ = int if f.type == "int | None" else type(default) if isinstance(default, (int, float)) else str
             parser.add_argument(flag, dest=f.name, type=typ, default=None,
                                 help=f"(env {cls.ENV_NAMES.get(f.name, 'KAITEN_' + f.name.upper())}, default {default!r})")
 
@@ -459,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ecfg, wcfg = configs_from_args(args)
         ecfg.speculative()                 # a bad --speculative-config fails here, saying why
+        ecfg.lora_module_paths()           # and a bad --lora-modules entry
     except (ModelNotFoundError, ValueError) as e:
         print(f"kaiten engine: {e}", file=sys.stderr)
         return 2

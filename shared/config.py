@@ -46,8 +46,10 @@ def _from_env(cls, env_names: dict[str, str]):
             values[f.name] = int(raw)
         elif isinstance(default, float):
             values[f.name] = float(raw)
-        elif isinstance(default, tuple):
-            values[f.name] = tuple(x for x in raw.split(",") if x)
+        elif isinstance(default, (tuple, list)):
+            values[f.name] = type(default)(x for x in raw.split(",") if x)
+        elif f.type == "int | None":
+            values[f.name] = int(raw)
         else:
             values[f.name] = raw
     return cls(**values)
@@ -153,7 +155,24 @@ class EngineConfig(_EnvConfig):
     attention_backend: str = "auto"      # auto | cpu (C++) | torch | triton | flash_attn
     offline: bool = False                # the offline LLM (throughput) rather than a server (latency)
     speculative_config: str = ""         # JSON, as vLLM's --speculative-config; "": no speculation
+    lora_modules: list[str] = dataclasses.field(default_factory=list)   # LoRA adapters served from
+                                         # the start, "name=path" (PEFT directories)
+    max_loras: int = 4                   # adapter slots: distinct adapters in one batch; 0: no LoRA
+    max_cpu_loras: int | None = None     # adapters kept loaded in memory (LRU); None: max_loras
+    max_lora_rank: int = 16              # the largest adapter rank the slots hold
     ENV_NAMES = {"model": "KAITEN_MODEL"}
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """lora_modules as {name: path}; ValueError for an entry that is not name=path."""
+        out: dict[str, str] = {}
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules entry {entry!r} is not name=path")
+            if name in out:
+                raise ValueError(f"--lora-modules names the adapter {name!r} twice")
+            out[name] = path
+        return out
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)

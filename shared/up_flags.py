@@ -20,6 +20,7 @@ class ChildFlag:
     child: str                               # "engine" | "gateway"
     help: str
     type: Callable | None = str              # None: a switch (no value)
+    nargs: str | None = None                 # "+": one or more values
 
     @property
     def dest(self) -> str:
@@ -57,6 +58,14 @@ CHILD_FLAGS = (
               'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 5, '
               '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 3} '
               '(default: none)', _speculative_config),
+    ChildFlag("--lora-modules", "KAITEN_LORA_MODULES", "engine",
+              "LoRA adapters to serve, as name=path (PEFT directories); requests pick one by its name",
+              nargs="+"),
+    ChildFlag("--max-loras", "KAITEN_MAX_LORAS", "engine",
+              "most LoRA adapters in one batch (adapter slots; default 4; 0: no LoRA)", int),
+    ChildFlag("--max-cpu-loras", "KAITEN_MAX_CPU_LORAS", "engine",
+              "LoRA adapters kept loaded in memory, least recently used evicted (default: --max-loras)", int),
+    ChildFlag("--max-lora-rank", "KAITEN_MAX_LORA_RANK", "engine", "the largest LoRA rank served (default 16)", int),
     ChildFlag("--served-model-name", "KAITEN_SERVED_MODEL_NAME", "gateway",
               "the model's name in the API (default: the directory's name)"),
     ChildFlag("--allowed-origins", "KAITEN_ALLOWED_ORIGINS", "gateway",
@@ -80,7 +89,8 @@ def add_child_flags(parser: argparse.ArgumentParser) -> None:
         if f.type is None:
             group.add_argument(f.flag, dest=f.dest, action="store_true", default=None, help=f"{f.help} (env {f.env})")
         else:
-            group.add_argument(f.flag, dest=f.dest, type=f.type, default=None, help=f"{f.help} (env {f.env})")
+            group.add_argument(f.flag, dest=f.dest, type=f.type, nargs=f.nargs, default=None,
+                               help=f"{f.help} (env {f.env})")
     group.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None,
                        help="every process's log level (env KAITEN_LOG_LEVEL, default INFO)")
     group.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS, default=None,
@@ -96,7 +106,10 @@ def child_args(args: argparse.Namespace, child: str, skip: frozenset[str] = froz
         value = getattr(args, f.dest)
         if f.child != child or value is None or f.dest in skip:
             continue
-        out += [f.flag] if f.type is None else [f.flag, str(value)]
+        if f.type is None:
+            out.append(f.flag)
+        else:
+            out += [f.flag, *map(str, value if isinstance(value, list) else [value])]
     if args.log_level is not None:
         out += ["--log-level", args.log_level]
     if args.log_format is not None:

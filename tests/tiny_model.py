@@ -90,3 +90,21 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, vocab
     cfg["torch_dtype"] = "float32"
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_lora_adapter(base_dir: str | Path, path: str | Path, rank: int = 8, targets=tuple(LORA_TARGETS),
+                       seed: int = 0, base_model=None, **lora_kw) -> Path:
+    """A PEFT LoRA adapter of `base_dir` (or of the HF model `base_model`) with random non-zero
+    weights (init_lora_weights=False), saved with save_pretrained to `path`."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = base_model or transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False, **lora_kw)
+    get_peft_model(model, config).save_pretrained(path)
+    return Path(path)

@@ -4,6 +4,8 @@ A full block's hash chains from its parent's hash and its token ids (``shared.bl
 function gateways route with), so equal hashes mean equal prefixes (confirmed by comparing the
 tokens). A freed block that holds a hash stays in the cache and is evicted least-recently-used when
 a fresh block is needed. ``cache_version`` changes whenever the set of cached hashes does.
+A sequence's chain starts at its LoRA adapter's root (``root_hash``), so adapters never share a
+block; ``drop_root`` forgets an adapter's blocks when it is removed.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine_worker.engine.sequence import Sequence
-from shared.block_hash import ROOT, block_hash
+from shared.block_hash import block_hash, root_hash
 
 NO_HASH = -1
 
@@ -22,6 +24,7 @@ class Block:
     ref_count: int = 0
     hash: int = NO_HASH
     token_ids: list[int] = field(default_factory=list)   # kept to confirm prefix-cache hits
+    root: int = NO_HASH                                  # the chain's root (its adapter's)
 
 
 class BlockManager:
@@ -62,7 +65,7 @@ class BlockManager:
         so the forward pass always computes at least that token's logits."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], ROOT
+        hits, parent = [], root_hash(seq.lora_name)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
@@ -87,16 +90,28 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= len(seq.block_hashes):
+            return
+        root = root_hash(seq.lora_name)
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT
+            parent = seq.block_hashes[-1] if seq.block_hashes else root
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash == NO_HASH and h not in self.hash_to_block:
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.token_ids, block.root = h, tokens, root
                 self.hash_to_block[h] = block.block_id
                 self.cache_version += 1
+
+    def drop_root(self, root: int) -> None:
+        """Forget every cached block whose chain starts at `root` (a removed adapter's)."""
+        for block_id in [b for b in self.hash_to_block.values() if self.blocks[b].root == root]:
+            block = self.blocks[block_id]
+            self._unhash(block)
+            if block.ref_count == 0:
+                del self.evictable[block_id]
+                self.free_ids.append(block_id)
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
@@ -141,11 +156,13 @@ class BlockManager:
         if self.free_ids:
             return self.free_ids.popleft()
         block_id, _ = self.evictable.popitem(last=False)      # evict the least recently used
-        block = self.blocks[block_id]
-        del self.hash_to_block[block.hash]
-        block.hash, block.token_ids = NO_HASH, []
-        self.cache_version += 1
+        self._unhash(self.blocks[block_id])
         return block_id
+
+    def _unhash(self, block: Block) -> None:
+        del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.root = NO_HASH, [], NO_HASH
+        self.cache_version += 1
 
     def _take(self, block_id: int) -> int:
         block = self.blocks[block_id]

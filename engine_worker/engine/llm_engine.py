@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine_worker.engine.block_manager import BlockManager
+from engine_worker.engine.lora_registry import LoraRegistry
 from engine_worker.model.model_runner import ModelRunner
 from engine_worker.engine.sampler import Sampler
 from engine_worker.engine.sampling_params import SamplingParams
@@ -21,6 +22,8 @@ from engine_worker.engine.scheduler import ScheduledBatch, Scheduler
 from engine_worker.engine.sequence import Sequence
 from engine_worker.engine.speculative import Speculator, make_proposer
 from engine_worker.engine.structured_output import StructuredOutput
+from engine_worker.model.lora_weights import load_lora
+from shared.block_hash import root_hash
 from shared.config import EngineConfig
 from shared.protocol import TokenLogprob
 
@@ -81,7 +84,9 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.max_loras)
+        self.loras = self._lora_registry(config)
         self.sampler = Sampler(self.eos_token_ids)
         spec = config.speculative()
         self.speculator = None
@@ -94,24 +99,81 @@ class LLMEngine:
         log.info("engine ready: model=%s dtype=%s blocks=%d x %d tokens, backend=%s", self.model_name,
                  self.runner.dtype, self.runner.num_blocks, self.runner.block_size, self.runner.backend.name)
 
+    def _lora_registry(self, config: EngineConfig) -> LoraRegistry | None:
+        modules = config.lora_module_paths()
+        if config.max_loras <= 0:
+            if modules:
+                raise ValueError("--lora-modules needs LoRA slots (--max-loras above 0)")
+            return None
+        cfg, rank, dtype = self.runner.model_config, config.max_lora_rank, self.runner.dtype
+        registry = LoraRegistry(config.max_loras, config.max_cpu_loras or config.max_loras,
+                                lambda name, path: load_lora(name, path, cfg, rank, dtype),
+                                self.runner.model.write_lora)
+        for name, path in modules.items():
+            registry.add(name, path)
+            log.info("LoRA adapter %s loaded from %s", name, path)
+        if modules:
+            self.runner.warm_up_lora()
+        return registry
+
+    # ---- LoRA adapters -------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in directory `path` as `name`. ValueError for a bad adapter, one
+        that does not fit this model or max_lora_rank, or a name already served."""
+        if self.loras is None:
+            raise ValueError("LoRA is disabled on this engine (max_loras is 0)")
+        self.loras.add(name, path)
+        self.runner.warm_up_lora()
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving `name` (False: not served). Requests already using it finish with it;
+        its prefix-cache blocks are dropped once they have."""
+        in_use = name in self.scheduler.loras_in_use()
+        if self.loras is None or not self.loras.remove(name, in_use):
+            return False
+        if not in_use:
+            self.block_manager.drop_root(root_hash(name))
+        return True
+
+    def lora_adapters(self) -> dict[str, str]:
+        return {} if self.loras is None else dict(self.loras.paths)
+
+    def _retire_loras(self) -> None:
+        if self.loras is not None and self.loras.retiring:
+            for name in self.loras.retire_unused(self.scheduler.loras_in_use()):
+                self.block_manager.drop_root(root_hash(name))
+
+    def _lora_slots(self, seqs: list[Sequence]) -> list[int] | None:
+        """Each sequence's adapter slot (-1: the base model), loading adapters into slots."""
+        needed = {seq.lora_name for seq in seqs if seq.lora_name}
+        if not needed:
+            return None
+        where = self.loras.slot_map(needed, self.scheduler.running_loras)
+        return [where[seq.lora_name] if seq.lora_name else -1 for seq in seqs]
+
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     # ---- admission ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    num_generated: int = 0) -> None:
-        """Queue a request for the next step. Raises ValueError, leaving the engine untouched, for
-        invalid input. A continuation (failover) names how many of the prompt's last tokens it
+                    num_generated: int = 0, lora_name: str = "") -> None:
+        """Queue a request for the next step, through the LoRA adapter `lora_name` ("": the base
+        model). Raises ValueError, leaving the engine untouched, for invalid input or an unknown
+        adapter. A continuation (failover) names how many of the prompt's last tokens it
         generated before: penalties count them as output, and the seeded generator's position
         goes on from them."""
         params.validate()
+        if lora_name and (self.loras is None or not self.loras.knows(lora_name)):
+            raise ValueError(f"unknown LoRA adapter {lora_name!r}; this engine serves "
+                             f"{sorted(self.lora_adapters()) or 'none'}")
         self._validate_prompt(prompt_token_ids, params)
         if not 0 <= num_generated < len(prompt_token_ids):
             raise ValueError(f"num_generated must be in [0, {len(prompt_token_ids)}), got {num_generated!r}")
         if self.scheduler.find(request_id) is not None or self.structured.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already running")
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, num_generated=num_generated)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, num_generated=num_generated,
+                       lora_name=lora_name)
         if params.seed is not None:
             seq.generator = torch.Generator(self.runner.device)
         if params.structured_output is not None:
@@ -180,6 +242,7 @@ class LLMEngine:
                 self.speculator.propose(self.scheduler.running)
                 if decoding:
                     self.speculator.observe_step(sum(batch.num_new_tokens), time.perf_counter() - start)
+        self._retire_loras()
         self.step_count += 1
         return outputs
 
@@ -200,7 +263,8 @@ class LLMEngine:
                 if seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids)]
         spans, targets = self._prompt_logprob_spans(batch)
         counts = [1 + len(batch.seqs[i].spec_token_ids) for i in rows]
-        logits, prompt_logits = self.runner.run(batch, rows, [(r, first, len(t)) for r, first, t in spans], counts)
+        logits, prompt_logits = self.runner.run(batch, rows, [(r, first, len(t)) for r, first, t in spans], counts,
+                                                self._lora_slots(batch.seqs))
         if prompt_logits is not None:
             self._collect_prompt_logprobs(batch, spans, prompt_logits, targets)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):

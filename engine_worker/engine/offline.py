@@ -49,10 +49,11 @@ class LLM:
                                                  return_dict=False)
         return self.generate([list(ids)], params)[0]
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> str:
-        """Queue one request for the next step(). Returns its request id; ValueError if invalid."""
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, lora_name: str = "") -> str:
+        """Queue one request for the next step(), through the LoRA adapter `lora_name` ("": none).
+        Returns its request id; ValueError if invalid."""
         request_id = f"offline-{next(self._ids)}"
-        self.engine.add_request(request_id, self.encode(prompt), params or SamplingParams())
+        self.engine.add_request(request_id, self.encode(prompt), params or SamplingParams(), lora_name=lora_name)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -60,13 +61,16 @@ class LLM:
         return self.engine.step()
 
     def generate(self, prompts: list[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
-        """Run every prompt to completion; results come back in input order."""
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_names: list[str] | None = None) -> list[Completion]:
+        """Run every prompt to completion (prompt i through the adapter lora_names[i], "" for
+        none); results come back in input order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
+        loras = lora_names if lora_names is not None else [""] * len(prompts)
+        if len(params_list) != len(prompts) or len(loras) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt, and one adapter name per prompt")
         encoded = [self.encode(p) for p in prompts]
-        ids = [self.submit(p, sp) for p, sp in zip(encoded, params_list)]
+        ids = [self.submit(p, sp, lora) for p, sp, lora in zip(encoded, params_list, loras)]
         results = {rid: Completion(rid, p) for rid, p in zip(ids, encoded)}
         while any(results[r].finish_reason is None for r in ids):
             for out in self.step():

@@ -8,7 +8,7 @@ are freed and it returns to the front of the waiting queue with the tokens it al
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine_worker.engine.block_manager import BlockManager
@@ -31,8 +31,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_loras: int = 0):
         self.block_manager = block_manager
+        self.max_loras = max_loras
+        self.running_loras: Counter[str] = Counter()   # adapter -> running requests
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -50,10 +53,14 @@ class Scheduler:
     def find(self, request_id: str) -> Sequence | None:
         return self.by_id.get(request_id)
 
+    def loras_in_use(self) -> set[str]:
+        """The adapters of every waiting or running request."""
+        return {seq.lora_name for seq in self.by_id.values() if seq.lora_name}
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the queues and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.by_id.pop(seq.request_id, None)
@@ -97,8 +104,19 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _stop_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if seq.lora_name:
+            self.running_loras[seq.lora_name] -= 1
+            if not self.running_loras[seq.lora_name]:
+                del self.running_loras[seq.lora_name]
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        name = seq.lora_name
+        return not name or name in self.running_loras or len(self.running_loras) < self.max_loras
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._stop_running(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.spec_token_ids = []
@@ -108,8 +126,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        passed: list[Sequence] = []            # waiting for an adapter slot, in queue order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._lora_fits(seq):
+                passed.append(self.waiting.popleft())
+                continue
             cached = [] if seq.needs_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             n = min(seq.num_tokens - num_cached, budget)
@@ -123,5 +145,8 @@ class Scheduler:
                 seq.scheduled_time = time.time()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.lora_name:
+                self.running_loras[seq.lora_name] += 1
             batch.add(seq, n)
             budget -= n
+        self.waiting.extendleft(reversed(passed))

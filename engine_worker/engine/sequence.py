@@ -24,6 +24,7 @@ class Sequence:
     token_ids: list[int]                 # prompt followed by the generated tokens
     num_prompt_tokens: int
     params: SamplingParams
+    lora_name: str = ""                  # the LoRA adapter it runs through ("": the base model)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)    # append-only while the sequence lives
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of its full blocks

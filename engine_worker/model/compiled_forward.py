@@ -24,8 +24,10 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from engine_worker.model.lora_layers import LoraBatch
 from kernels.interface import AttentionBackend, AttentionMetadata, get_attention_backend
 
 log = logging.getLogger(__name__)
@@ -126,9 +128,11 @@ def configure_inductor() -> None:
     torch._functorch.config.enable_autograd_cache = True
 
 
-def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block_tables, slot_mapping):
+def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,
+             *lora_args):
     meta = AttentionMetadata(cu_seqlens_q, seqlens_k, block_tables, slot_mapping, 0, 0)
-    return model(ids, pos, kv_caches, meta, backend)
+    lora = LoraBatch(*lora_args) if lora_args else None
+    return model(ids, pos, kv_caches, meta, backend, lora)
 
 
 class CompiledForward:
@@ -137,34 +141,45 @@ class CompiledForward:
 
     The model, its KV cache and the backend are arguments of the compiled function, not
     constants: the weights are graph inputs, so another engine with the same model config in
-    this process reuses the graph instead of compiling its own."""
+    this process reuses the graph instead of compiling its own.
 
-    def __init__(self, model: torch.nn.Module, kv_caches, backend: AttentionBackend):
+    A step with adapter tokens passes its LoraBatch: a second graph, with the LoRA op, that
+    warm_up(lora=True) compiles (the engine does when it gets its first adapter), so steps of
+    the base model alone never run it."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches, backend: AttentionBackend, max_loras: int = 0):
         configure_inductor()
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.max_loras = max_loras
         self.ops = backend if backend.compile_safe else OpAttention(backend.name)
         for k_cache, v_cache in kv_caches:          # the pool's size differs between engines
             torch._dynamo.decorators.mark_unbacked(k_cache, 0)
             torch._dynamo.decorators.mark_unbacked(v_cache, 0)
         self._fn = torch.compile(_forward, dynamic=False, fullgraph=True)
 
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                 lora: LoraBatch | None = None) -> torch.Tensor:
         for t in (ids, pos, meta.slot_mapping, meta.cu_seqlens_q, meta.seqlens_k):
             torch._dynamo.decorators.mark_unbacked(t, 0)
         torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
         torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
+        extra = ()
+        if lora is not None:
+            for t in (lora.token_index, lora.pad_index, lora.scatter_index):
+                torch._dynamo.decorators.mark_unbacked(t, 0)
+            extra = lora.args()
         with step_context(self.backend, meta):
             return self._fn(self.model, self.kv_caches, self.ops, ids, pos, meta.cu_seqlens_q, meta.seqlens_k,
-                            meta.block_tables, meta.slot_mapping)
+                            meta.block_tables, meta.slot_mapping, *extra)
 
     @torch.inference_mode()
-    def warm_up(self) -> float:
+    def warm_up(self, lora: bool = False) -> float:
         """Compile (or load from Inductor's cache) before the first request: one graph serves
-        every batch shape. The warm-up batch writes no KV (slot -1). Its inputs are inference
-        tensors, as the runner's are (a tensor of another kind would fail a guard and recompile).
-        Returns the seconds taken."""
+        every batch shape (`lora`: the graph for steps with adapter tokens). The warm-up batch
+        writes no KV (slot -1). Its inputs are inference tensors, as the runner's are (a tensor of
+        another kind would fail a guard and recompile). Returns the seconds taken."""
         start = time.perf_counter()
-        log.info("compiling the model for %s (1/1) ...", self.model.__class__.__name__)
+        log.info("compiling the model for %s%s ...", self.model.__class__.__name__, " with LoRA" if lora else "")
         dev = self.kv_caches[0][0].device
         lens = [3, 1]
         meta = AttentionMetadata(
@@ -175,7 +190,8 @@ class CompiledForward:
             max_seqlen_q=3, max_seqlen_k=3, seqlens_q_list=lens, seqlens_k_list=lens)
         ids = torch.zeros(4, dtype=torch.int64, device=dev)
         pos = torch.tensor([0, 1, 2, 0], dtype=torch.int64, device=dev)
-        self(ids, pos, meta)
+        batch = LoraBatch.build(np.array([0, -1, 0, -1]), self.max_loras, dev) if lora else None
+        self(ids, pos, meta, batch)
         seconds = time.perf_counter() - start
         log.info("compiled the model in %.1f s (Inductor cache: %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds

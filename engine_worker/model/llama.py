@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from engine_worker.model.lora_layers import LoraBatch, LoraStack, projection_shapes
 from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear
 from kernels.cpu_attention import cpu_ops_loaded
 from kernels.interface import AttentionBackend, AttentionMetadata
@@ -124,9 +125,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
+        self.lora: nn.ModuleDict | None = None       # "qkv", "o": LoraStacks (enable_lora)
 
-    def forward(self, x, positions, rope, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x, positions, rope, kv_cache, meta: AttentionMetadata, backend: AttentionBackend,
+                lora: LoraBatch | None = None):
+        qkv = _project(self.qkv_proj, x, self.lora, "qkv", lora)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -134,7 +138,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return _project(self.o_proj, out.reshape(-1, self.q_size), self.lora, "o", lora)
 
 
 class MLP(nn.Module):
@@ -142,10 +146,17 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.lora: nn.ModuleDict | None = None       # "gate_up", "down": LoraStacks (enable_lora)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, lora: LoraBatch | None = None):
+        gate, up = _project(self.gate_up_proj, x, self.lora, "gate_up", lora).chunk(2, dim=-1)
+        return _project(self.down_proj, F.silu(gate) * up, self.lora, "down", lora)
+
+
+def _project(linear: nn.Module, x: torch.Tensor, stacks: nn.ModuleDict | None, key: str,
+             lora: LoraBatch | None) -> torch.Tensor:
+    y = linear(x)
+    return y if lora is None else stacks[key](x, y, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -156,9 +167,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, rope, kv_cache, meta, backend, lora: LoraBatch | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,12 +182,30 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, kv_caches, meta, backend) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+    def forward(self, input_ids, positions, kv_caches, meta, backend, lora: LoraBatch | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]; `lora`: the step's adapter tokens."""
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta, backend)
+            x = layer(x, positions, self.rope, kv_cache, meta, backend, lora)
         return self.norm(x)
+
+    def enable_lora(self, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Give every projection `num_slots` zeroed adapter slots of rank up to `max_rank`."""
+        shapes = projection_shapes(self.cfg)
+        for layer in self.layers:
+            for module, keys in ((layer.self_attn, ("qkv", "o")), (layer.mlp, ("gate_up", "down"))):
+                module.lora = nn.ModuleDict({
+                    k: LoraStack(num_slots, shapes[k][0], len(shapes[k][1]) * max_rank, sum(shapes[k][1]), dtype, device)
+                    for k in keys})
+
+    def write_lora(self, slot: int, weights: dict | None) -> None:
+        """Load an adapter's {(layer, projection): (A, B)} (lora_weights.LoraWeights.weights) into
+        `slot`, or clear it (None)."""
+        for i, layer in enumerate(self.layers):
+            for module in (layer.self_attn, layer.mlp):
+                for key, stack in module.lora.items():
+                    pair = None if weights is None else weights.get((i, key))
+                    stack.write(slot, *(pair or (None, None)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)

@@ -12,6 +12,7 @@ from engine_worker.model.compiled_forward import CompiledForward
 from engine_worker.model.cuda_graphs import DecodeGraphRunner
 from engine_worker.model.host_memory import zeros_on_huge_pages
 from engine_worker.model.llama import LlamaForCausalLM, ModelConfig, PackedLinear, cpu_has_native_bf16
+from engine_worker.model.lora_layers import LoraBatch
 from kernels.cpu_attention import cpp_attention_available
 from kernels.interface import AttentionMetadata, get_attention_backend
 from shared import gguf_quant
@@ -70,6 +71,9 @@ class ModelRunner:
         self.model.eval()
         if config.pack_cpu_weights and PackedLinear.supported(self.device, self.dtype):
             self.model.pack_for_cpu()
+        self.max_loras = config.max_loras
+        if self.max_loras > 0:
+            self.model.enable_lora(self.max_loras, config.max_lora_rank, self.dtype, self.device)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -77,6 +81,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(self._kv_budget())
         self.kv_caches = self._allocate_kv_cache()
         self.graphs: DecodeGraphRunner | None = None
+        self._lora_compiled = False
         self.compiled: CompiledForward | None = None
         if self.device.type == "cpu" and not config.enforce_eager:
             self.compiled = self._compile()
@@ -177,11 +182,17 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
+    def warm_up_lora(self) -> None:
+        """Compile the forward for steps with adapter tokens, once (the first adapter's load)."""
+        if self.compiled is not None and not self._lora_compiled:
+            self.compiled.warm_up(lora=True)
+            self._lora_compiled = True
+
     def _compile(self) -> CompiledForward | None:
         """The compiled CPU forward, or None (eager, with a warning) where Inductor cannot build
         it: its C++ code generation needs a C++ compiler, which a slim image may lack."""
         try:
-            compiled = CompiledForward(self.model, self.kv_caches, self.backend)
+            compiled = CompiledForward(self.model, self.kv_caches, self.backend, self.max_loras)
             compiled.warm_up()
             return compiled
         except Exception as e:      # InductorError (no compiler), a failed build, ...
@@ -190,9 +201,12 @@ class ModelRunner:
             torch._dynamo.reset()
             return None
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Pack the step's new tokens of every sequence, with positions, slots and block tables.
-        Per-token values (positions, slots) come from numpy ops over the batch, not Python loops."""
+    def prepare(self, batch: ScheduledBatch, lora_slots: list[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, LoraBatch | None]:
+        """Pack the step's new tokens of every sequence, with positions, slots and block tables,
+        and its adapter tokens by slot (`lora_slots`: each sequence's adapter slot, -1 for the
+        base model; None when no sequence uses an adapter). Per-token values (positions, slots) come
+        from numpy ops over the batch, not Python loops."""
         seqs, qlens = batch.seqs, batch.num_new_tokens
         klens = [seq.num_computed_tokens + n for seq, n in zip(seqs, qlens)]
         input_ids: list[int] = []
@@ -220,23 +234,28 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
             max_seqlen_q=max(qlens), max_seqlen_k=max(klens), seqlens_q_list=qlens, seqlens_k_list=klens)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        return ids, torch.from_numpy(positions).to(dev), meta
+        lora = None
+        if lora_slots is not None:
+            lora = LoraBatch.build(np.array(lora_slots, dtype=np.int64)[seq_of_token], self.max_loras, dev)
+        return ids, torch.from_numpy(positions).to(dev), meta, lora
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, sample_rows: list[int], prompt_spans: list[tuple[int, int, int]] = (),
-            sample_counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            sample_counts: list[int] | None = None, lora_slots: list[int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward pass; returns fp32 logits [sum(sample_counts), vocab] of the last
         sample_counts[i] (default 1: speculative drafts add theirs) tokens of the sequences at
         `sample_rows` (those whose whole context is computed after this step) and, for prompt
         logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
-        new tokens, count), in order (None when there are none)."""
-        ids, pos, meta = self.prepare(batch)
-        if self.graphs is not None and meta.is_decode_only and meta.num_seqs <= self.graphs.max_batch:
+        new tokens, count), in order (None when there are none). `lora_slots`: see prepare."""
+        ids, pos, meta, lora = self.prepare(batch, lora_slots)
+        if (self.graphs is not None and lora is None and meta.is_decode_only
+                and meta.num_seqs <= self.graphs.max_batch):       # graphs are captured without LoRA
             hidden = self.graphs.run(ids, pos, meta)
         elif self.compiled is not None:
-            hidden = self.compiled(ids, pos, meta)
+            hidden = self.compiled(ids, pos, meta, lora)
         else:
-            hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
+            hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, lora)
         if sample_counts is None or all(c == 1 for c in sample_counts):
             last = meta.cu_seqlens_q[1:].long() - 1
             rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]

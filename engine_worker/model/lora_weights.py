@@ -1,0 +1,125 @@
+"""A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), read and
+checked against the base model, laid out for the model's fused projections.
+
+Each fused projection (qkv, o, gate_up, down) gets one pair: A [in, parts * max_rank] and B
+[parts * max_rank, out], where part i (q, k, v or gate, up) owns rank columns i*R..i*R+r of A and
+the matching rows of B, its block of B covering only its slice of the fused output (block
+diagonal). The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into B. Modules the
+adapter leaves out stay zero.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine_worker.model.llama import ModelConfig
+from engine_worker.model.lora_layers import projection_shapes
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# HF module -> (fused projection, part index)
+TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# adapter_config.json options that change the math and are not implemented: refused by name
+_UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA bias", "modules_to_save": "modules_to_save",
+                "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern",
+                "layer_replication": "layer_replication", "alora_invocation_tokens": "aLoRA",
+                "trainable_token_indices": "trainable_token_indices", "target_parameters": "target_parameters",
+                "use_qalora": "QALoRA", "use_bdlora": "BD-LoRA", "fan_in_fan_out": "fan_in_fan_out"}
+
+
+@dataclass(slots=True)
+class LoraWeights:
+    name: str
+    path: str
+    rank: int
+    # (layer, fused projection) -> (A [in, parts * max_rank], B [parts * max_rank, out])
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_lora(name: str, path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraWeights:
+    """Read and check an adapter directory; ValueError says what is wrong with it."""
+    path = Path(path)
+    config = _read_config(path)
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA adapter {name!r}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise ValueError(f"LoRA adapter {name!r} has rank {rank}, above max_lora_rank {max_rank}")
+    alpha = config.get("lora_alpha", 8)
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    pairs = _read_tensors(name, path)
+    shapes = projection_shapes(cfg)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), (a, b) in sorted(pairs.items()):
+        if layer >= cfg.num_layers:
+            raise ValueError(f"LoRA adapter {name!r} has weights for layer {layer}; the model has {cfg.num_layers}")
+        proj, part = TARGETS[module]
+        fan_in, outs = shapes[proj]
+        want_a, want_b = (rank, fan_in), (outs[part], rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has A {list(a.shape)} and B "
+                             f"{list(b.shape)}; this model needs A {list(want_a)} and B {list(want_b)} "
+                             "(an adapter for another base model?)")
+        if (layer, proj) not in weights:
+            weights[layer, proj] = (torch.zeros(fan_in, len(outs) * max_rank, dtype=dtype),
+                                    torch.zeros(len(outs) * max_rank, sum(outs), dtype=dtype))
+        big_a, big_b = weights[layer, proj]
+        col, row = part * max_rank, sum(outs[:part])
+        big_a[:, col:col + rank] = a.t().to(dtype)
+        big_b[col:col + rank, row:row + outs[part]] = (b.t().double() * scaling).to(dtype)
+    if not weights:
+        raise ValueError(f"LoRA adapter {name!r}: {path / WEIGHTS_FILE} holds no LoRA weights")
+    return LoraWeights(name, str(path), rank, weights)
+
+
+def _read_config(path: Path) -> dict:
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise ValueError(f"{path} is not a LoRA adapter directory: no {CONFIG_FILE}")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type {config['peft_type']!r} is not supported (only LORA)")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{path}: bias {config['bias']!r} is not supported (only 'none')")
+    used = [label for key, label in _UNSUPPORTED.items() if config.get(key)]
+    if used:
+        raise ValueError(f"{path}: {', '.join(used)} not supported")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        bad = sorted(set(targets) - set(TARGETS))
+        if bad:
+            raise ValueError(f"{path}: target modules {bad} are not supported; supported: {sorted(TARGETS)}")
+    return config
+
+
+def _read_tensors(name: str, path: Path) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, HF module) -> (lora_A [r, in], lora_B [out, r]); other keys are refused."""
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        raise ValueError(f"{path}: no {WEIGHTS_FILE} (adapters are read from safetensors only)")
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(file), framework="pt") as f:
+        for key in f.keys():
+            m = _KEY.fullmatch(key)
+            if m is None or m.group(2) not in TARGETS:
+                raise ValueError(f"LoRA adapter {name!r}: weight {key} targets a module that is not supported "
+                                 f"(supported: {', '.join(sorted(TARGETS))})")
+            found.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(key)
+    incomplete = [f"layer {layer} {module}" for (layer, module), ab in found.items() if len(ab) != 2]
+    if incomplete:
+        raise ValueError(f"LoRA adapter {name!r}: lora_A or lora_B missing for {', '.join(incomplete[:3])}")
+    return {k: (ab["A"], ab["B"]) for k, ab in found.items()}
