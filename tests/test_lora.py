@@ -98,6 +98,23 @@ def test_mixed_batch_equals_peft(tiny_model_dir, adapters, prompts, expected, fo
     llm.engine.check_block_accounting()
 
 
+@pytest.mark.parametrize("forward", ["eager", "compiled"])
+def test_adapter_loaded_at_run_time_allocates_slots_then(tiny_model_dir, adapters, prompts, expected, forward):
+    """An engine without adapters holds no LoRA slots; the first add_lora allocates them and (in
+    the compiled forward) adds the LoRA graph without recompiling the base model's."""
+    from torch._dynamo.utils import counters
+    llm = make_llm(tiny_model_dir, {}, forward, max_loras=2)
+    assert not llm.engine.runner.model.lora_enabled
+    assert [c.token_ids for c in llm.generate(prompts, greedy())] == expected[""]
+    graphs = counters["stats"]["unique_graphs"]
+    llm.engine.add_lora("all", adapters["all"])
+    assert llm.engine.runner.model.lora_enabled
+    names = ["all", ""] * (len(prompts) // 2)
+    got = llm.generate(prompts, greedy(), lora_names=names)
+    assert [c.token_ids for c in got] == [expected[n][i] for i, n in enumerate(names)]
+    assert counters["stats"]["unique_graphs"] - graphs <= (1 if forward == "compiled" else 0)
+
+
 def _record_steps(llm: LLM) -> list[set[str]]:
     """The adapters ("" for the base model) of each step's batch, recorded as the engine runs."""
     steps: list[set[str]] = []

@@ -109,11 +109,11 @@ class LLMEngine:
         registry = LoraRegistry(config.max_loras, config.max_cpu_loras or config.max_loras,
                                 lambda name, path: load_lora(name, path, cfg, rank, dtype),
                                 self.runner.model.write_lora)
+        if modules:
+            self.runner.enable_lora()
         for name, path in modules.items():
             registry.add(name, path)
             log.info("LoRA adapter %s loaded from %s", name, path)
-        if modules:
-            self.runner.warm_up_lora()
         return registry
 
     # ---- LoRA adapters -------------------------------------------------------------------------
@@ -122,8 +122,8 @@ class LLMEngine:
         that does not fit this model or max_lora_rank, or a name already served."""
         if self.loras is None:
             raise ValueError("LoRA is disabled on this engine (max_loras is 0)")
+        self.runner.enable_lora()
         self.loras.add(name, path)
-        self.runner.warm_up_lora()
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving `name` (False: not served). Requests already using it finish with it;

@@ -129,7 +129,7 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope, kv_cache, meta: AttentionMetadata, backend: AttentionBackend,
                 lora: LoraBatch | None = None):
-        qkv = _project(self.qkv_proj, x, self.lora, "qkv", lora)
+        qkv = _project(self.qkv_proj, x, self, "qkv", lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -138,7 +138,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attention(q, k_cache, v_cache, meta, self.scale)
-        return _project(self.o_proj, out.reshape(-1, self.q_size), self.lora, "o", lora)
+        return _project(self.o_proj, out.reshape(-1, self.q_size), self, "o", lora)
 
 
 class MLP(nn.Module):
@@ -149,14 +149,16 @@ class MLP(nn.Module):
         self.lora: nn.ModuleDict | None = None       # "gate_up", "down": LoraStacks (enable_lora)
 
     def forward(self, x, lora: LoraBatch | None = None):
-        gate, up = _project(self.gate_up_proj, x, self.lora, "gate_up", lora).chunk(2, dim=-1)
-        return _project(self.down_proj, F.silu(gate) * up, self.lora, "down", lora)
+        gate, up = _project(self.gate_up_proj, x, self, "gate_up", lora).chunk(2, dim=-1)
+        return _project(self.down_proj, F.silu(gate) * up, self, "down", lora)
 
 
-def _project(linear: nn.Module, x: torch.Tensor, stacks: nn.ModuleDict | None, key: str,
-             lora: LoraBatch | None) -> torch.Tensor:
+def _project(linear: nn.Module, x: torch.Tensor, owner: nn.Module, key: str, lora: LoraBatch | None) -> torch.Tensor:
+    """linear(x), plus the LoRA term of `owner`'s stack `key` for a step with adapter tokens. A
+    base-model step never reads `owner.lora`: the compiled base graph keeps no guard on it, so
+    enabling LoRA later (the first adapter) does not recompile it."""
     y = linear(x)
-    return y if lora is None else stacks[key](x, y, lora)
+    return y if lora is None else owner.lora[key](x, y, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -188,6 +190,10 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kv_cache, meta, backend, lora)
         return self.norm(x)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.layers[0].mlp.lora is not None
 
     def enable_lora(self, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         """Give every projection `num_slots` zeroed adapter slots of rank up to `max_rank`."""

@@ -71,9 +71,7 @@ class ModelRunner:
         self.model.eval()
         if config.pack_cpu_weights and PackedLinear.supported(self.device, self.dtype):
             self.model.pack_for_cpu()
-        self.max_loras = config.max_loras
-        if self.max_loras > 0:
-            self.model.enable_lora(self.max_loras, config.max_lora_rank, self.dtype, self.device)
+        self.max_loras, self.max_lora_rank = config.max_loras, config.max_lora_rank
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -182,8 +180,12 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
-    def warm_up_lora(self) -> None:
-        """Compile the forward for steps with adapter tokens, once (the first adapter's load)."""
+    def enable_lora(self) -> None:
+        """Allocate the adapter slots (max_loras of rank max_lora_rank on every projection: 145 MB
+        for SmolLM2 in fp32) at the first adapter, not before: an engine that never serves one
+        keeps that memory. Then compile the forward for steps with adapter tokens, once."""
+        if not self.model.lora_enabled:
+            self.model.enable_lora(self.max_loras, self.max_lora_rank, self.dtype, self.device)
         if self.compiled is not None and not self._lora_compiled:
             self.compiled.warm_up(lora=True)
             self._lora_compiled = True
