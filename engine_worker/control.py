@@ -32,17 +32,14 @@ class Controls:
         self._announced = None
 
     def _run(self, c: Control) -> tuple[int, str]:
-        add, remove = getattr(self.engine, "add_lora", None), getattr(self.engine, "remove_lora", None)
-        if add is None or remove is None:
-            return 400, "this engine cannot load LoRA adapters (its LLMEngine has no add_lora/remove_lora)"
         try:
             if c.op == "unload_lora":
-                if not remove(c.lora_name):
+                if not self.engine.remove_lora(c.lora_name):
                     return 404, f"The lora adapter '{c.lora_name}' cannot be found."
                 return 200, ""
             if c.lora_name in self.adapters():
                 return 400, f"The lora adapter '{c.lora_name}' has already been loaded."
-            add(c.lora_name, c.lora_path)
+            self.engine.add_lora(c.lora_name, c.lora_path)
             return 200, ""
         except (ValueError, OSError) as e:
             return 400, f"cannot load the lora adapter '{c.lora_name}' from {c.lora_path!r}: {e}"
@@ -51,8 +48,7 @@ class Controls:
             return 500, f"{c.op} {c.lora_name!r} failed: {type(e).__name__}: {e}"
 
     def adapters(self) -> dict[str, str]:
-        listing = getattr(self.engine, "lora_adapters", None)
-        return dict(listing()) if listing is not None else {}
+        return dict(self.engine.lora_adapters())
 
     def announce(self) -> dict[str, Any]:
         """The heartbeat's fields (rebuilt only after an operation)."""

@@ -4,7 +4,7 @@ Each request is answered by its own model's engines (greedy tokens equal that mo
 engine), an unknown model is a 404, /v1/models lists both, a model whose engines are gone answers
 503 while the other keeps serving, and a gateway finds a model from the engines' heartbeats. The
 LoRA control plane (load and unload over the models' control streams) runs against the real
-engine's add_lora where the engine has it, else its test is skipped, naming what is missing."""
+engine's add_lora, under traffic."""
 from __future__ import annotations
 
 import threading
@@ -167,17 +167,6 @@ def test_lora_endpoints_say_when_the_engine_cannot_load_adapters(deployment, tin
     assert r.status_code == 400
 
 
-def _lora_api_missing() -> str:
-    from engine_worker.engine.llm_engine import LLMEngine
-    import tests.tiny_model as tm
-    if not hasattr(LLMEngine, "add_lora"):
-        return "needs the engine's LoRA API (LLMEngine.add_lora, the lora branch)"
-    if not hasattr(tm, "build_lora_adapter"):
-        return "needs tests.tiny_model.build_lora_adapter (the lora branch)"
-    return ""
-
-
-@pytest.mark.skipif(bool(_lora_api_missing()), reason=_lora_api_missing() or "-")
 def test_adapter_load_and_unload_under_traffic(deployment, tiny_model_dir, tmp_path, references):
     from tests.tiny_model import build_lora_adapter
     g = deployment["gws"][0]
@@ -239,39 +228,33 @@ def test_models_file_is_checked(tmp_path):
         load_models_file(path)
 
 
-def test_engine_controls_apply_in_order_and_announce_outcomes():
-    """The worker's side (engine_worker/control.py) against an engine object with the LoRA API:
-    outcomes by op id with vLLM's statuses, the adapters announced, a bad adapter refused."""
+def test_engine_controls_apply_in_order_and_announce_outcomes(tiny_model_dir, tmp_path):
+    """The worker's side (engine_worker/control.py) on a real engine and real PEFT adapters:
+    outcomes by op id with vLLM's statuses, the adapters announced, a bad adapter refused, and an
+    engine without LoRA slots refusing with 400."""
+    from engine_worker import LLM
     from engine_worker.control import RESULTS_KEPT, Controls
     from shared.protocol import Control
+    from tests.tiny_model import build_lora_adapter
 
-    class Engine:
-        def __init__(self):
-            self.loaded: dict[str, str] = {}
-
-        def add_lora(self, name, path):
-            if not path.startswith("/ok"):
-                raise ValueError("not a PEFT adapter directory")
-            self.loaded[name] = path
-
-        def remove_lora(self, name):
-            return self.loaded.pop(name, None) is not None
-
-        def lora_adapters(self):
-            return dict(self.loaded)
-
-    c = Controls(Engine())
-    c.apply([Control("1", "load_lora", "a", "/ok/a"), Control("2", "load_lora", "a", "/ok/a"),
-             Control("3", "load_lora", "b", "/bad"), Control("4", "unload_lora", "zz"),
-             Control("5", "load_lora", "c", "/ok/c"), Control("6", "unload_lora", "c")])
+    a, c_dir = (str(build_lora_adapter(tiny_model_dir, tmp_path / n, seed=i)) for i, n in enumerate("ac"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    engine = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", enforce_eager=True).engine
+    c = Controls(engine)
+    c.apply([Control("1", "load_lora", "a", a), Control("2", "load_lora", "a", a),
+             Control("3", "load_lora", "b", str(bad)), Control("4", "unload_lora", "zz"),
+             Control("5", "load_lora", "c", c_dir), Control("6", "unload_lora", "c")])
     got = c.announce()
-    assert got["adapters"] == {"a": "/ok/a"}
+    assert got["adapters"] == {"a": a}
     res = got["control_results"]
     assert res["1"] == [200, ""] and res["2"][0] == 400 and "already been loaded" in res["2"][1]
-    assert res["3"][0] == 400 and "not a PEFT adapter" in res["3"][1] and res["4"][0] == 404
+    assert res["3"][0] == 400 and "adapter_config.json" in res["3"][1] and res["4"][0] == 404
     assert res["5"] == res["6"] == [200, ""]
     c.apply([Control(f"x{i}", "unload_lora", "zz") for i in range(RESULTS_KEPT)])
     assert len(c.announce()["control_results"]) == RESULTS_KEPT and "1" not in c.announce()["control_results"]
-    bare = Controls(object())
-    bare.apply([Control("9", "load_lora", "a", "/ok/a")])
-    assert bare.announce() == {"adapters": {}, "control_results": {"9": [400, bare.results["9"][1]]}}
+    off = Controls(LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", enforce_eager=True,
+                       max_loras=0).engine)
+    off.apply([Control("9", "load_lora", "a", a)])
+    status, message = off.announce()["control_results"]["9"]
+    assert status == 400 and "LoRA is disabled" in message and off.announce()["adapters"] == {}
