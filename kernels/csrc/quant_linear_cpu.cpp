@@ -145,28 +145,39 @@ inline void direct_block(const QuantWeight& w, const float* x, float* out, int64
           at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][i]);
 }
 
-template <typename Grp, int R, int NR>
-void direct_rows(const QuantWeight& w, const float* x, float* out, int64_t n_out, int64_t r0, int64_t n0,
-                 int64_t n1) {
+// Threads split the output features; within a thread, R rows of x at a time (up to kRowBlock)
+// meet NR weight rows at a time: kernel.template block<R, NR>(r0, n) computes out[r0.., n..].
+template <typename Kernel, int R, int NR>
+void tile_rows(const Kernel& kernel, int64_t r0, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) direct_block<Grp, R, NR>(w, x, out, n_out, r0, n);
-  for (; n < n1; ++n) direct_block<Grp, R, 1>(w, x, out, n_out, r0, n);
+  for (; n + NR <= n1; n += NR) kernel.template block<R, NR>(r0, n);
+  for (; n < n1; ++n) kernel.template block<R, 1>(r0, n);
 }
 
-template <typename Grp>
-void direct(const QuantWeight& w, const float* x, float* out, int64_t m, int64_t n_out) {
-  const int64_t grain = std::max<int64_t>(8, 16384 / w.k);
+template <typename Kernel>
+void tiled(const Kernel& kernel, int64_t m, int64_t n_out, int64_t k) {
+  const int64_t grain = std::max<int64_t>(8, 16384 / k);
   at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r = 0; r < m; r += kRowBlock) {
       switch (std::min<int64_t>(kRowBlock, m - r)) {
-        case 4: direct_rows<Grp, 4, 2>(w, x, out, n_out, r, n0, n1); break;
-        case 3: direct_rows<Grp, 3, 2>(w, x, out, n_out, r, n0, n1); break;
-        case 2: direct_rows<Grp, 2, 4>(w, x, out, n_out, r, n0, n1); break;
-        default: direct_rows<Grp, 1, 4>(w, x, out, n_out, r, n0, n1); break;
+        case 4: tile_rows<Kernel, 4, 2>(kernel, r, n0, n1); break;
+        case 3: tile_rows<Kernel, 3, 2>(kernel, r, n0, n1); break;
+        case 2: tile_rows<Kernel, 2, 4>(kernel, r, n0, n1); break;
+        default: tile_rows<Kernel, 1, 4>(kernel, r, n0, n1); break;
       }
     }
   });
 }
+
+template <typename Grp>
+struct Direct {
+  const QuantWeight& w;
+  const float* x;
+  float* out;
+  int64_t n_out;
+  template <int R, int NR>
+  void block(int64_t r0, int64_t n) const { direct_block<Grp, R, NR>(w, x, out, n_out, r0, n); }
+};
 
 // Chunks of weight rows dequantized (in parallel) into scratch of about kChunkBytes, each then
 // multiplied in x's dtype (bf16 GEMMs for bf16 x) by one at::mm, which spreads over the threads.
@@ -381,30 +392,15 @@ inline void q8_block(const QuantWeight& w, const QuantX& x, float* out, int64_t 
     }
 }
 
-// Threads split the output features; within a thread, NR weight rows at a time (kept in L1)
-// meet every row of x, R at a time.
-template <typename W, int R, int NR>
-void q8_rows(const QuantWeight& w, const QuantX& x, float* out, int64_t n_out, int64_t r0, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) q8_block<W, R, NR>(w, x, out, n_out, r0, n);
-  for (; n < n1; ++n) q8_block<W, R, 1>(w, x, out, n_out, r0, n);
-}
-
-// Threads split the output features; R rows of x at a time meet NR weight rows at a time.
 template <typename W>
-void q8_linear(const QuantWeight& w, const QuantX& x, float* out, int64_t m, int64_t n_out) {
-  const int64_t grain = std::max<int64_t>(8, 16384 / w.k);
-  at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < m; r += kRowBlock) {
-      switch (std::min<int64_t>(kRowBlock, m - r)) {
-        case 4: q8_rows<W, 4, 2>(w, x, out, n_out, r, n0, n1); break;
-        case 3: q8_rows<W, 3, 2>(w, x, out, n_out, r, n0, n1); break;
-        case 2: q8_rows<W, 2, 4>(w, x, out, n_out, r, n0, n1); break;
-        default: q8_rows<W, 1, 4>(w, x, out, n_out, r, n0, n1); break;
-      }
-    }
-  });
-}
+struct Q8 {
+  const QuantWeight& w;
+  const QuantX& x;
+  float* out;
+  int64_t n_out;
+  template <int R, int NR>
+  void block(int64_t r0, int64_t n) const { q8_block<W, R, NR>(w, x, out, n_out, r0, n); }
+};
 
 template <bool kInt4, int G>
 at::Tensor run(const QuantWeight& w, const at::Tensor& x, int64_t n_out, int64_t max_int8_rows,
@@ -415,9 +411,9 @@ at::Tensor run(const QuantWeight& w, const at::Tensor& x, int64_t n_out, int64_t
   at::Tensor out = at::empty({m, n_out}, xf.options());
   if (m <= max_int8_rows && w.k % kQ8Block == 0) {
     const QuantX xq = quantize_x(xf.data_ptr<float>(), m, w.k, G, w.mins != nullptr);
-    q8_linear<Q8Weights<kInt4, G>>(w, xq, out.data_ptr<float>(), m, n_out);
+    tiled(Q8<Q8Weights<kInt4, G>>{w, xq, out.data_ptr<float>(), n_out}, m, n_out, w.k);
   } else {
-    direct<Group<kInt4, G>>(w, xf.data_ptr<float>(), out.data_ptr<float>(), m, n_out);
+    tiled(Direct<Group<kInt4, G>>{w, xf.data_ptr<float>(), out.data_ptr<float>(), n_out}, m, n_out, w.k);
   }
   return out.to(x.scalar_type());
 }
