@@ -1,5 +1,5 @@
-"""Weight-only quantized projections on SmolLM2-135M's shapes: kaiten_cpu::quant_linear (in
-registers, and dequantized chunks into at::mm) against the dense PackedLinear (oneDNN) in the same
+"""Weight-only quantized projections on SmolLM2-135M's shapes: kaiten_cpu::quant_linear (its three
+methods: fp32 registers, int8 activations, dequantized chunks into at::mm) against the dense PackedLinear (oneDNN) in the same
 dtype and PyTorch's own aten._weight_int4pack_mm_for_cpu / aten._weight_int8pack_mm (bf16 x).
 
 Each shape is timed as 30 copies (one per layer; the output layer once), so the weights stream
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine import cpu_name, load_avg  # noqa: E402
+from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from engine_worker.model.llama import PackedLinear  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
 from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
@@ -32,7 +32,7 @@ from shared.gguf_quant import repack  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"qkv 960x576": (960, 576, 30), "o 576x576": (576, 576, 30), "gate_up 3072x576": (3072, 576, 30),
           "down 576x1536": (576, 1536, 30), "lm_head 49152x576": (49152, 576, 1)}   # (N, K, copies)
-DIRECT, DENSE = 1 << 30, 1
+NEVER = 1 << 30     # max_int8_rows: every call; min_dense_rows: none (-1 and 0 the other way)
 
 
 def quantized(fmt: str, n: int, k: int, seed: int) -> QuantLinear:
@@ -47,9 +47,11 @@ def methods(fmt: str, layers: list[QuantLinear], dense: list[PackedLinear], m: i
     n, k = layers[0].qweight.shape[0], layers[0].scales.shape[1] * 32
     x, xb = torch.randn(m, k).to(dtype), torch.randn(m, k).bfloat16()
     out = {"oneDNN (dequantized)": lambda: [d(x) for d in dense],
-           "quant_linear registers": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, DIRECT)
-                                              for q in layers],
-           "quant_linear chunks+mm": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, DENSE)
+           "quant_linear registers": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, -1,
+                                                                                NEVER) for q in layers],
+           "quant_linear int8": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, NEVER, NEVER)
+                                         for q in layers],
+           "quant_linear chunks+mm": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, -1, 0)
                                              for q in layers]}
     if fmt == "Q4_1":   # aten int4: values 0..15 with (q - 8) * scale + zero, zero = min + 8 scale
         packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -85,19 +87,21 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default="Q4_1,Q8_0")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated keys of SHAPES")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     load_extension()
     lines = [f"# quant_linear on SmolLM2-135M shapes, {args.dtype} activations\n",
-             f"CPU: {cpu_name()}, {args.threads} threads, "
+             f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), {args.threads} threads, "
              f"extension ISA {cpu_capability()[0]}, torch {torch.__version__}, load before {load_avg()}.\n",
              "Median ms of one pass over the copies (30 per projection shape, 1 for lm_head); ratio: "
              f"dense {args.dtype} time / this time (>1 is faster than dense).\n"]
     for fmt in args.formats.split(","):
-        for label, (n, k, copies) in SHAPES.items():
+        for label in args.shapes.split(","):
+            n, k, copies = SHAPES[label]
             lines += [f"\n## {fmt} {label} x{copies}\n", "| rows | " + " | ".join(
-                [f"{args.dtype} oneDNN", "registers", "chunks+mm", "aten (bf16 x)"]) + " |", "|---:|---:|---:|---:|---:|"]
+                [f"{args.dtype} oneDNN", "registers", "int8 x", "chunks+mm", "aten (bf16 x)"]) + " |", "|---:|---:|---:|---:|---:|---:|"]
             layers = [quantized(fmt, n, k, seed) for seed in range(copies)]
             dense = [PackedLinear(lin.dequantize().to(dtype), None) for lin in layers]
             for m in (int(r) for r in args.rows.split(",")):

@@ -3,16 +3,23 @@
 //   int8: qweight int8 [N, K], groups of 16 or 32
 // each group with an fp32 scale and, optionally, an fp32 min: w = q * scale + min.
 //
-// Few rows (decode): weights are dequantized in registers, one group of a few weight rows at a
-// time, and multiplied into up to kRowBlock rows of x at once; no dequantized copy exists in
-// memory, so a step reads the weights as stored (4.5 or 8.5 bits a weight instead of 16 or 32).
-// Threads split the output features. Many rows (prefill, large decode batches): chunks of weight
-// rows are dequantized into scratch and multiplied in x's dtype by at::mm (oneDNN/MKL), whose
-// blocked GEMM is faster once a dequantized weight is reused by enough rows (min_dense_rows,
-// chosen by the caller from bench/quant_linear.py's measurements).
+// Three methods, chosen by the number of rows m of x (thresholds from the caller, measured by
+// bench/quant_linear.py):
+// * m >= min_dense_rows (prefill, large decode batches): chunks of weight rows are dequantized
+//   into scratch and multiplied in x's dtype by at::mm (oneDNN/MKL), whose blocked GEMM is faster
+//   once a dequantized weight is reused by enough rows.
+// * else m <= max_int8_rows, int8 activations (as llama.cpp's q8 dot products): each row of x is
+//   quantized once per call to int8 per block of 32 (scale amax / 127, round to nearest even),
+//   then integer dot products against the stored integers (AVX2 maddubs + madd, or VNNI dpbusd),
+//   scaled per group in fp32; a min adds min * (the exact fp32 sum of x over the group).
+// * else in fp32 registers: weights are dequantized in registers, one group
+//   of a few weight rows at a time, and multiplied into up to kRowBlock rows of x at once.
+//   The last two keep no dequantized copy in memory, so a step reads the weights as stored (4.5
+//   or 8.5 bits a weight instead of 16 or 32). Threads split the output features.
 //
 // One source for AVX-512 and AVX2 (at::vec::Vectorized<float>, with the byte unpacking in the
-// matching intrinsics), and a portable fallback; the ISA comes from CPU_CAPABILITY_* as in
+// matching intrinsics; the integer dot products are 256-bit on both, with VNNI's dpbusd where the
+// build has KAITEN_VNNI), and a portable fallback; the ISA comes from CPU_CAPABILITY_* as in
 // paged_attention_cpu.cpp.
 #include <torch/extension.h>
 
@@ -138,28 +145,39 @@ inline void direct_block(const QuantWeight& w, const float* x, float* out, int64
           at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][i]);
 }
 
-template <typename Grp, int R, int NR>
-void direct_rows(const QuantWeight& w, const float* x, float* out, int64_t n_out, int64_t r0, int64_t n0,
-                 int64_t n1) {
+// Threads split the output features; within a thread, R rows of x at a time (up to kRowBlock)
+// meet NR weight rows at a time: kernel.template block<R, NR>(r0, n) computes out[r0.., n..].
+template <typename Kernel, int R, int NR>
+void tile_rows(const Kernel& kernel, int64_t r0, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) direct_block<Grp, R, NR>(w, x, out, n_out, r0, n);
-  for (; n < n1; ++n) direct_block<Grp, R, 1>(w, x, out, n_out, r0, n);
+  for (; n + NR <= n1; n += NR) kernel.template block<R, NR>(r0, n);
+  for (; n < n1; ++n) kernel.template block<R, 1>(r0, n);
 }
 
-template <typename Grp>
-void direct(const QuantWeight& w, const float* x, float* out, int64_t m, int64_t n_out) {
-  const int64_t grain = std::max<int64_t>(8, 16384 / w.k);
+template <typename Kernel>
+void tiled(const Kernel& kernel, int64_t m, int64_t n_out, int64_t k) {
+  const int64_t grain = std::max<int64_t>(8, 16384 / k);
   at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r = 0; r < m; r += kRowBlock) {
       switch (std::min<int64_t>(kRowBlock, m - r)) {
-        case 4: direct_rows<Grp, 4, 2>(w, x, out, n_out, r, n0, n1); break;
-        case 3: direct_rows<Grp, 3, 2>(w, x, out, n_out, r, n0, n1); break;
-        case 2: direct_rows<Grp, 2, 4>(w, x, out, n_out, r, n0, n1); break;
-        default: direct_rows<Grp, 1, 4>(w, x, out, n_out, r, n0, n1); break;
+        case 4: tile_rows<Kernel, 4, 2>(kernel, r, n0, n1); break;
+        case 3: tile_rows<Kernel, 3, 2>(kernel, r, n0, n1); break;
+        case 2: tile_rows<Kernel, 2, 4>(kernel, r, n0, n1); break;
+        default: tile_rows<Kernel, 1, 4>(kernel, r, n0, n1); break;
       }
     }
   });
 }
+
+template <typename Grp>
+struct Direct {
+  const QuantWeight& w;
+  const float* x;
+  float* out;
+  int64_t n_out;
+  template <int R, int NR>
+  void block(int64_t r0, int64_t n) const { direct_block<Grp, R, NR>(w, x, out, n_out, r0, n); }
+};
 
 // Chunks of weight rows dequantized (in parallel) into scratch of about kChunkBytes, each then
 // multiplied in x's dtype (bf16 GEMMs for bf16 x) by one at::mm, which spreads over the threads.
@@ -186,18 +204,222 @@ at::Tensor dense_chunks(const QuantWeight& w, const at::Tensor& x, int64_t n_out
   return out;
 }
 
-template <typename Grp>
-at::Tensor run(const QuantWeight& w, const at::Tensor& x, int64_t n_out, int64_t min_dense_rows) {
+// ---- int8 activations ----------------------------------------------------------------------
+constexpr int kQ8Block = 32;   // inputs of x per int8 scale
+
+// x quantized per row and block of 32: q [m, k] int8, d [m, k / 32] scales, sums [m, k / G] the
+// fp32 sums of x over each weight group (for the mins).
+struct QuantX {
+  std::vector<int8_t> q;
+  std::vector<float> d, sums;
+  int64_t k, blocks, groups;
+};
+
+inline void quantize_row(const float* x, int64_t k, int group, int8_t* q, float* d, float* sums) {
+  for (int64_t b = 0; b < k / kQ8Block; ++b) {
+    const float* xb = x + b * kQ8Block;
+    Vec v[kQ8Block / VL];
+    Vec amax(0.f);
+    UNROLL
+    for (int j = 0; j < kQ8Block / VL; ++j) {
+      v[j] = Vec::loadu(xb + j * VL);
+      amax = at::vec::maximum(amax, v[j].abs());
+    }
+    const float a = at::vec::vec_reduce_all<float>([](Vec& p, Vec& r) { return at::vec::maximum(p, r); }, amax);
+    const float db = a / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+    d[b] = db;
+    float r[kQ8Block];
+    UNROLL
+    for (int j = 0; j < kQ8Block / VL; ++j) (v[j] * Vec(id)).round().store(r + j * VL);
+    UNROLL
+    for (int i = 0; i < kQ8Block; ++i) q[b * kQ8Block + i] = static_cast<int8_t>(r[i]);
+  }
+  for (int64_t g = 0; g < k / group; ++g) {
+    const float* xg = x + g * group;
+    sums[g] = at::vec::reduce_all<float>([](Vec& p, Vec& r) { return p + r; }, xg, group);
+  }
+}
+
+QuantX quantize_x(const float* x, int64_t m, int64_t k, int group, bool with_sums) {
+  QuantX xq{std::vector<int8_t>(m * k), std::vector<float>(m * (k / kQ8Block)),
+            std::vector<float>(with_sums ? m * (k / group) : 0), k, k / kQ8Block, k / group};
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      std::vector<float> scratch(with_sums ? 0 : xq.groups);
+      float* sums = with_sums ? xq.sums.data() + r * xq.groups : scratch.data();
+      quantize_row(x + r * k, k, group, xq.q.data() + r * k, xq.d.data() + r * xq.blocks, sums);
+    }
+  });
+  return xq;
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+using I8x32 = __m256i;   // one block of 32 bytes
+using F32x8 = __m256;    // 8 partial sums
+
+inline I8x32 load_i8x32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+// 16 packed bytes as 32 values 0..15 in input order: low nibbles, then high
+inline I8x32 load_int4(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), lo4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), _mm_and_si128(b, lo4));
+}
+inline I8x32 abs_i8(I8x32 w) { return _mm256_sign_epi8(w, w); }
+inline I8x32 sign_i8(I8x32 x, I8x32 w) { return _mm256_sign_epi8(x, w); }   // x * sign(w)
+// unsigned u times signed s: 8 int32 sums of 4 products (sums 0-3 cover bytes 0-15)
+inline __m256i dot_us(I8x32 u, I8x32 s) {
+#if defined(KAITEN_VNNI)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+inline F32x8 f32x8_zero() { return _mm256_setzero_ps(); }
+// the scale of each of dot's sums: s_lo for sums 0-3, s_hi for 4-7
+inline F32x8 scale2(float s_lo, float s_hi) { return _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo)); }
+inline F32x8 scale1(float s) { return _mm256_set1_ps(s); }
+inline F32x8 mul(F32x8 a, F32x8 b) { return _mm256_mul_ps(a, b); }
+inline F32x8 fma_dot(__m256i dot, F32x8 scale, F32x8 acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc); }
+inline float reduce_f32x8(F32x8 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#else
+struct I8x32 { int16_t v[32]; };   // unsigned or signed bytes, widened
+struct F32x8 { float v[8]; };
+struct I32x8 { int32_t v[8]; };
+
+inline I8x32 load_i8x32(const void* p) {
+  I8x32 r;
+  for (int i = 0; i < 32; ++i) r.v[i] = static_cast<const int8_t*>(p)[i];
+  return r;
+}
+inline I8x32 load_int4(const uint8_t* p) {
+  I8x32 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = p[i] & 0x0F, r.v[i + 16] = p[i] >> 4;
+  return r;
+}
+inline I8x32 abs_i8(I8x32 w) {
+  for (auto& e : w.v) e = static_cast<int16_t>(e < 0 ? -e : e);
+  return w;
+}
+inline I8x32 sign_i8(I8x32 x, I8x32 w) {
+  for (int i = 0; i < 32; ++i) x.v[i] = static_cast<int16_t>(w.v[i] < 0 ? -x.v[i] : w.v[i] == 0 ? 0 : x.v[i]);
+  return x;
+}
+inline I32x8 dot_us(I8x32 u, I8x32 s) {
+  I32x8 r{};
+  for (int i = 0; i < 32; ++i) r.v[i / 4] += u.v[i] * s.v[i];
+  return r;
+}
+inline F32x8 f32x8_zero() { return F32x8{}; }
+inline F32x8 scale2(float s_lo, float s_hi) { return F32x8{{s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi}}; }
+inline F32x8 scale1(float s) { return scale2(s, s); }
+inline F32x8 mul(F32x8 a, F32x8 b) {
+  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline F32x8 fma_dot(I32x8 dot, F32x8 scale, F32x8 acc) {
+  for (int i = 0; i < 8; ++i) acc.v[i] += static_cast<float>(dot.v[i]) * scale.v[i];
+  return acc;
+}
+inline float reduce_f32x8(F32x8 v) {
+  float s = 0.f;
+  for (float e : v.v) s += e;
+  return s;
+}
+#endif
+
+// A block of 32 weights of a row as the unsigned operand of dot_us (int4: 0..15; int8: |w|,
+// with x's signs flipped where w < 0), and its scales.
+template <bool kInt4, int G>
+struct Q8Weights {
+  static_assert(G == 32 || (!kInt4 && G == 16), "int4 groups are 32, int8 groups 16 or 32");
+  I8x32 u, w;
+
+  inline void load(const QuantWeight& wt, int64_t n, int64_t b) {
+    const uint8_t* row = wt.q + n * wt.row_bytes;
+    if constexpr (kInt4) {
+      u = load_int4(row + b * kQ8Block / 2);
+    } else {
+      w = load_i8x32(row + b * kQ8Block);
+      u = abs_i8(w);
+    }
+  }
+  inline I8x32 signed_x(I8x32 x) const {
+    if constexpr (kInt4) return x; else return sign_i8(x, w);
+  }
+  // block b's scale (one group of 32; or two of 16, for the halves)
+  static inline F32x8 scale(const QuantWeight& wt, int64_t n, int64_t b) {
+    const float* s = wt.scales + n * wt.groups;
+    if constexpr (G == 32) return scale1(s[b]); else return scale2(s[2 * b], s[2 * b + 1]);
+  }
+};
+
+// out[r0 + r, n + i] for r < R, i < NR: each block of weights is loaded once for the R rows of x
+// and each block of x once for the NR weight rows.
+template <typename W, int R, int NR>
+inline void q8_block(const QuantWeight& w, const QuantX& x, float* out, int64_t n_out, int64_t r0, int64_t n) {
+  F32x8 acc[R][NR];
+  UNROLL
+  for (int r = 0; r < R; ++r)
+    UNROLL
+    for (int i = 0; i < NR; ++i) acc[r][i] = f32x8_zero();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    W wb[NR];
+    F32x8 ws[NR];
+    UNROLL
+    for (int i = 0; i < NR; ++i) wb[i].load(w, n + i, b), ws[i] = W::scale(w, n + i, b);
+    UNROLL
+    for (int r = 0; r < R; ++r) {
+      const I8x32 xv = load_i8x32(x.q.data() + (r0 + r) * x.k + b * kQ8Block);
+      const F32x8 d = scale1(x.d[(r0 + r) * x.blocks + b]);
+      UNROLL
+      for (int i = 0; i < NR; ++i) acc[r][i] = fma_dot(dot_us(wb[i].u, wb[i].signed_x(xv)), mul(ws[i], d), acc[r][i]);
+    }
+  }
+  UNROLL
+  for (int r = 0; r < R; ++r)
+    UNROLL
+    for (int i = 0; i < NR; ++i) {
+      float y = reduce_f32x8(acc[r][i]);
+      if (w.mins) {
+        const float* mins = w.mins + (n + i) * w.groups;
+        const float* sums = x.sums.data() + (r0 + r) * x.groups;
+        for (int64_t g = 0; g < w.groups; ++g) y += mins[g] * sums[g];
+      }
+      out[(r0 + r) * n_out + n + i] = y;
+    }
+}
+
+template <typename W>
+struct Q8 {
+  const QuantWeight& w;
+  const QuantX& x;
+  float* out;
+  int64_t n_out;
+  template <int R, int NR>
+  void block(int64_t r0, int64_t n) const { q8_block<W, R, NR>(w, x, out, n_out, r0, n); }
+};
+
+template <bool kInt4, int G>
+at::Tensor run(const QuantWeight& w, const at::Tensor& x, int64_t n_out, int64_t max_int8_rows,
+               int64_t min_dense_rows) {
   const int64_t m = x.size(0);
-  if (m >= min_dense_rows) return dense_chunks<Grp>(w, x, n_out);
+  if (m >= min_dense_rows) return dense_chunks<Group<kInt4, G>>(w, x, n_out);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({m, n_out}, xf.options());
-  direct<Grp>(w, xf.data_ptr<float>(), out.data_ptr<float>(), m, n_out);
+  if (m <= max_int8_rows && w.k % kQ8Block == 0) {
+    const QuantX xq = quantize_x(xf.data_ptr<float>(), m, w.k, G, w.mins != nullptr);
+    tiled(Q8<Q8Weights<kInt4, G>>{w, xq, out.data_ptr<float>(), n_out}, m, n_out, w.k);
+  } else {
+    tiled(Direct<Group<kInt4, G>>{w, xf.data_ptr<float>(), out.data_ptr<float>(), n_out}, m, n_out, w.k);
+  }
   return out.to(x.scalar_type());
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t min_dense_rows) {
+                        const c10::optional<at::Tensor>& mins, int64_t max_int8_rows, int64_t min_dense_rows) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "quant_linear: qweight must be a contiguous matrix");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "quant_linear: scales must be fp32");
   const bool int4 = qweight.scalar_type() == at::kByte;
@@ -214,11 +436,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const at::Tensor x2 = x.reshape({-1, k});
   at::Tensor out;
   if (int4 && group == kInt4Group)
-    out = run<Group<true, kInt4Group>>(w, x2, n_out, min_dense_rows);
+    out = run<true, kInt4Group>(w, x2, n_out, max_int8_rows, min_dense_rows);
   else if (!int4 && group == 32)
-    out = run<Group<false, 32>>(w, x2, n_out, min_dense_rows);
+    out = run<false, 32>(w, x2, n_out, max_int8_rows, min_dense_rows);
   else if (!int4 && group == 16)
-    out = run<Group<false, 16>>(w, x2, n_out, min_dense_rows);
+    out = run<false, 16>(w, x2, n_out, max_int8_rows, min_dense_rows);
   else
     TORCH_CHECK(false, "quant_linear: unsupported group size ", group);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -229,7 +451,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kaiten_cpu, m) {
-  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int min_dense_rows) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int max_int8_rows, int min_dense_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kaiten_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }
