@@ -9,22 +9,10 @@ from torch import nn
 
 from engine_worker.model.bf16_layers import Bf16Embedding, Bf16Linear
 from kernels.cpu_attention import cpp_attention_available
-from tests.test_engine import greedy, make_llm, make_prompts, run_staggered
+from tests.test_engine import greedy, hf_greedy, make_llm, make_prompts, run_staggered
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
-
-
-def hf_greedy(model_dir, prompts, max_tokens):
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=max_tokens, do_sample=False)
-            out.append(ids[0, len(p):].tolist())
-    return out
 
 
 @pytest.fixture(scope="module", params=[("llama", False), ("llama", True), ("qwen2", True)],
@@ -33,8 +21,10 @@ def bf16_model(request, tmp_path_factory):
     arch, tied = request.param
     path = build_tiny_model(tmp_path_factory.mktemp(f"bf16-{arch}"), arch=arch, tie_word_embeddings=tied,
                             dtype="bfloat16")
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = make_prompts(384)[:10]
-    return path, prompts, hf_greedy(path, prompts, 16)
+    return path, prompts, hf_greedy(hf, prompts, 16)
 
 
 def assert_bf16_layers(llm, tied: bool) -> None:

@@ -5,7 +5,8 @@
 // order.
 //
 // Few rows (decode): each weight vector is widened in registers and multiplied into up to
-// kRowBlock rows of x at once over independent FMA chains; threads split the output features.
+// kRowBlock rows of x at once over independent FMA chains, a few weight rows against every row of
+// x before the next, so the weight streams once; threads split the output features.
 // Many rows (prefill, large batches): chunks of weight rows are widened into fp32 scratch of about
 // kChunkBytes and multiplied by at::mm (MKL/oneDNN), whose blocked GEMM wins once a widened weight
 // is reused by enough rows (min_dense_rows, chosen by the caller from bench/bf16_linear.py).
@@ -70,24 +71,36 @@ inline void direct_block(const Args& a, int64_t r0, int64_t n) {
     }
 }
 
-template <int R, int NR>
-void direct_rows(const Args& a, int64_t r0, int64_t n0, int64_t n1) {
+// NR weight rows against every row of x, kRowBlock rows at a time: the NR rows stay in L1, so the
+// weight streams from memory once whatever the number of rows.
+template <int NR>
+inline void all_rows(const Args& a, int64_t m, int64_t n) {
+  for (int64_t r = 0; r < m; r += kRowBlock) {
+    switch (std::min<int64_t>(kRowBlock, m - r)) {
+      case 4: direct_block<4, NR>(a, r, n); break;
+      case 3: direct_block<3, NR>(a, r, n); break;
+      case 2: direct_block<2, NR>(a, r, n); break;
+      default: direct_block<1, NR>(a, r, n); break;
+    }
+  }
+}
+
+// NR: weight rows per block, 4 for one or two rows of x (more independent FMA chains), 2 beyond
+// (R x NR accumulators, NR weight vectors and one x vector fit AVX2's 16 registers).
+template <int NR>
+void direct_range(const Args& a, int64_t m, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) direct_block<R, NR>(a, r0, n);
-  for (; n < n1; ++n) direct_block<R, 1>(a, r0, n);
+  for (; n + NR <= n1; n += NR) all_rows<NR>(a, m, n);
+  for (; n < n1; ++n) all_rows<1>(a, m, n);
 }
 
 void direct(const Args& a, int64_t m) {
   const int64_t grain = std::max<int64_t>(8, 16384 / a.k);
   at::parallel_for(0, a.n_out, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < m; r += kRowBlock) {
-      switch (std::min<int64_t>(kRowBlock, m - r)) {
-        case 4: direct_rows<4, 2>(a, r, n0, n1); break;
-        case 3: direct_rows<3, 2>(a, r, n0, n1); break;
-        case 2: direct_rows<2, 4>(a, r, n0, n1); break;
-        default: direct_rows<1, 4>(a, r, n0, n1); break;
-      }
-    }
+    if (m <= 2)
+      direct_range<4>(a, m, n0, n1);
+    else
+      direct_range<2>(a, m, n0, n1);
   });
 }
 
