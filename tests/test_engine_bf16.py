@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine_worker.model.bf16_layers import Bf16Embedding, Bf16Linear
+from engine_worker.model.bf16_layers import MIN_DENSE_ROWS, Bf16Embedding, Bf16Linear
 from kernels.cpu_attention import cpp_attention_available
 from tests.test_engine import greedy, hf_greedy, make_llm, make_prompts, run_staggered
 from tests.tiny_model import build_tiny_model
@@ -38,14 +38,15 @@ def assert_bf16_layers(llm, tied: bool) -> None:
 @pytest.mark.parametrize("forward", ["eager", "compiled"])
 def test_greedy_matches_hf_fp32_on_bf16_weights(bf16_model, forward):
     path, prompts, expected = bf16_model
+    assert sum(map(len, prompts)) >= MIN_DENSE_ROWS        # the first step's prefill is dense
     llm = make_llm(path, forward)
     assert_bf16_layers(llm, tied=llm.engine.runner.model_config.tie_word_embeddings)
     assert [c.token_ids for c in llm.generate(prompts, greedy(16))] == expected
 
 
 def test_chunked_prefill_and_staggered_batches(bf16_model):
-    """Prefill chunks of 13 tokens and mixed decode batches take both kernel paths (rows below and
-    above MIN_DENSE_ROWS)."""
+    """Steps of at most 13 tokens run in registers (below MIN_DENSE_ROWS); the whole-prompt
+    prefills above (up to 256 tokens a step) take the widened chunks into at::mm."""
     path, prompts, expected = bf16_model
     llm = make_llm(path, "compiled", max_num_batched_tokens=13)
     assert run_staggered(llm, prompts, greedy(16)) == expected

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 ROWS = (1, 16, 128)           # a decode step, a small batch, a prefill chunk
-REPEATS = 5
+REPEATS = 3
 # The default model's (SmolLM2-135M) projections (N, K): qkv, o, gate_up, down.
 DEFAULT_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
