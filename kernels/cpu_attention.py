@@ -16,7 +16,8 @@ get_attention_backend("auto") falls back to the torch backend when it cannot.
 
 The extension also registers dispatcher ops for compiled graphs (kaiten_cpu::paged_attention,
 ::write_kv, ::packed_linear from csrc/packed_linear_cpu.cpp, oneDNN's linear on a packed weight,
-and ::quant_linear from csrc/quant_linear_cpu.cpp, GGUF-quantized weights multiplied as stored);
+::quant_linear from csrc/quant_linear_cpu.cpp, GGUF-quantized weights multiplied as stored, and
+::bf16_linear from csrc/bf16_linear_cpu.cpp, bf16-stored weights widened to fp32 on the way in);
 cpu_ops_loaded() says whether they are there.
 """
 from __future__ import annotations
@@ -39,7 +40,8 @@ __all__ = ["CppAttention", "cpp_attention_available", "cpu_ops_loaded", "load_ex
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "packed_linear_cpu.cpp", _CSRC / "quant_linear_cpu.cpp"]
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "packed_linear_cpu.cpp", _CSRC / "quant_linear_cpu.cpp",
+            _CSRC / "bf16_linear_cpu.cpp"]
 # The loaded extension module, or the reason it could not be built (per process).
 _EXTENSION_CACHE: dict[str, object] = {}
 
@@ -178,11 +180,13 @@ def _register_fakes() -> None:
         lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
     torch.library.register_fake("kaiten_cpu::quant_linear")(
         lambda x, qweight, scales, mins, max_int8_rows, min_dense_rows: x.new_empty((*x.shape[:-1], qweight.shape[0])))
+    torch.library.register_fake("kaiten_cpu::bf16_linear")(
+        lambda x, weight, bias, min_dense_rows: x.new_empty((*x.shape[:-1], weight.shape[0])))
 
 
 def cpu_ops_loaded() -> bool:
     """Whether the extension's dispatcher ops (kaiten_cpu::paged_attention, ::write_kv,
-    ::packed_linear, ::quant_linear) are registered in this process. A compiled graph calls them directly: an op
+    ::packed_linear, ::quant_linear, ::bf16_linear) are registered in this process. A compiled graph calls them directly: an op
     defined in Python costs about 15 us a call in its wrappers (PackedLinear; CppAttention exists
     only with them). Traced by Dynamo as one guard on _EXTENSION_CACHE."""
     return "module" in _EXTENSION_CACHE

@@ -131,8 +131,8 @@ class SpeculativeConfig:
 @dataclass(slots=True)
 class EngineConfig(_EnvConfig):
     model: str = ""                      # model directory; "" means the default SmolLM2
-    dtype: str = "auto"                  # auto | bfloat16 | float32 | float16 (auto: bf16 where the
-                                         # hardware has bf16 matmuls, i.e. CUDA or AVX512-BF16/AMX)
+    dtype: str = "auto"                  # auto | bfloat16 | float32 | float16 (auto: bf16 on CUDA; on
+                                         # the CPU whichever GEMMs run faster here, measured once)
     quantization: str = "auto"           # auto: a GGUF's quantized matrices multiplied as stored (CPU);
                                          # none: dequantized to dtype at load
     device: str = "cpu"

@@ -39,7 +39,8 @@ def _speculative_config(text: str) -> str:
 
 CHILD_FLAGS = (
     ChildFlag("--dtype", "KAITEN_DTYPE", "engine",
-              "auto | bfloat16 | float16 | float32 (auto: bf16 where the hardware has bf16 matmuls)"),
+              "auto | bfloat16 | float16 | float32 (auto: bf16 on CUDA; on the CPU whichever of bf16 "
+              "and fp32 runs the model's GEMMs faster, measured once and cached)"),
     ChildFlag("--quantization", "KAITEN_QUANTIZATION", "engine",
               "auto: a GGUF model's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K weights as stored (CPU); none: dequantized "
               "to --dtype (default auto)"),

@@ -35,16 +35,20 @@ def prompts(hf_model):
     return make_prompts(hf_model.config.vocab_size)
 
 
-@pytest.fixture(scope="module")
-def expected(hf_model, prompts):
+def hf_greedy(hf_model, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """HF greedy generate, one prompt at a time (no padding), stopping at eos like the engine."""
     out = []
     with torch.no_grad():
         for p in prompts:
             ids = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                    max_new_tokens=MAX_TOKENS, do_sample=False)
+                                    max_new_tokens=max_tokens, do_sample=False)
             out.append(ids[0, len(p):].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, prompts):
+    return hf_greedy(hf_model, prompts)
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -299,11 +303,6 @@ def test_other_llama_family_configs_match_hf(tmp_path, arch):
     model_dir = build_tiny_model(tmp_path / arch, arch=arch, tie_word_embeddings=(arch == "qwen2"))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = make_prompts(hf.config.vocab_size)[:6]
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=12, do_sample=False)
-            want.append(ids[0, len(p):].tolist())
+    want = hf_greedy(hf, prompts, 12)
     got = make_llm(model_dir).generate(prompts, greedy(12))
     assert [c.token_ids for c in got] == want

@@ -11,6 +11,7 @@ import torch
 from engine_worker.model.quant_layers import MAX_INT8_ROWS, MIN_DENSE_ROWS, QuantEmbedding, QuantLinear
 from kernels.cpu_attention import cpp_attention_available
 from shared.gguf_quant import PackedWeight, concat, repack
+from tests.isa_builds import assert_passes_in_isa_build
 from tests.test_gguf_quant import gguf_tensor
 
 pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
@@ -168,10 +169,4 @@ def test_bad_arguments_are_errors():
 @pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_other_isa_builds(isa):
     """The AVX2 and portable builds of the extension (KAITEN_CPU_ISA) pass this file's kernel tests."""
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "KAITEN_CPU_ISA": isa}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "not other_isa"],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0 and "skipped" not in out.stdout, out.stdout[-3000:]
+    assert_passes_in_isa_build(__file__, isa)

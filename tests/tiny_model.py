@@ -47,8 +47,10 @@ def build_tokenizer(vocab_size: int = 384):
 
 
 def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, vocab_size: int = 384,
-                     tie_word_embeddings: bool = False, max_position_embeddings: int = 512) -> Path:
-    """Write a random model directory (config.json, model.safetensors, tokenizer files) to `path`."""
+                     tie_word_embeddings: bool = False, max_position_embeddings: int = 512,
+                     dtype: str = "float32") -> Path:
+    """Write a random model directory (config.json, model.safetensors, tokenizer files) to `path`,
+    its weights stored in `dtype` (float32 or bfloat16)."""
     import torch
     import transformers
 
@@ -84,10 +86,10 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, vocab
                 p.copy_(0.1 * torch.randn_like(p))
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["torch_dtype"] = "float32"
+    cfg["torch_dtype"] = dtype
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 

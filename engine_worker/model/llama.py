@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from engine_worker.model.bf16_layers import Bf16Embedding, Bf16Linear
 from engine_worker.model.lora_layers import LoraBatch, LoraStack, projection_shapes
 from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear
 from kernels.cpu_attention import cpu_ops_loaded
@@ -249,6 +250,23 @@ class LlamaForCausalLM(nn.Module):
         if "lm_head" in packed:
             self.lm_head = QuantLinear(packed["lm_head"])
 
+    def use_bf16_weights(self) -> int:
+        """Swap every nn.Linear and the nn.Embedding for layers that keep their weights in bf16 and
+        compute in fp32 (a tied output layer shares the embedding's bf16 table). Call before
+        load_weights, which fills them as it would the originals. Returns the matrices swapped."""
+        swapped = 0
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, Bf16Linear.like(child))
+                    swapped += 1
+        if isinstance(self.embed_tokens, nn.Embedding):
+            self.embed_tokens = Bf16Embedding(self.cfg.vocab_size, self.cfg.hidden_size)
+            swapped += 1
+            if self.lm_head is None:
+                self.lm_head = Bf16Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.embed_tokens.weight)
+        return swapped
+
     @torch.no_grad()
     def load_weights(self, model_dir: str | Path) -> None:
         """Load HF-named safetensors, fusing q/k/v and gate/up as they arrive; weights of layers
@@ -282,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
                         loaded.add(f"{target}#{shard}")
                         continue
                     if target not in params:
-                        if target in quantized or (target == "lm_head.weight" and self.lm_head is None):
+                        if target in quantized or (target == "lm_head.weight" and self.cfg.tie_word_embeddings):
                             continue
                         raise ValueError(f"unexpected weight {name} in {path.name}")
                     params[target].copy_(tensor)
@@ -291,6 +309,17 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing from {model_dir}: {missing[:5]}")
         progress.finish()
+
+
+def stored_in_bf16(model_dir: str | Path) -> bool:
+    """Whether every matrix in the model's safetensors (the quantized file aside) is stored in bf16."""
+    dtypes = set()
+    for path in Path(model_dir).glob("*.safetensors"):
+        if path.name == QUANTIZED_FILE:
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            dtypes |= {f.get_slice(name).get_dtype() for name in f.keys() if len(f.get_slice(name).get_shape()) == 2}
+    return dtypes == {"BF16"}
 
 
 def _count_tensors(files: list[Path]) -> int:

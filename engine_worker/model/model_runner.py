@@ -10,8 +10,9 @@ import torch
 from engine_worker.engine.scheduler import ScheduledBatch
 from engine_worker.model.compiled_forward import CompiledForward
 from engine_worker.model.cuda_graphs import DecodeGraphRunner
+from engine_worker.model.dtype_choice import DEFAULT_SHAPES, cpu_auto_dtype
 from engine_worker.model.host_memory import zeros_on_huge_pages
-from engine_worker.model.llama import LlamaForCausalLM, ModelConfig, PackedLinear, cpu_has_native_bf16
+from engine_worker.model.llama import LlamaForCausalLM, ModelConfig, PackedLinear, stored_in_bf16
 from engine_worker.model.lora_layers import LoraBatch
 from kernels.cpu_attention import cpp_attention_available
 from kernels.interface import AttentionMetadata, get_attention_backend
@@ -28,15 +29,22 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bf16 where matmuls run natively in bf16 (CUDA, AVX512-BF16/AMX CPUs), else fp32:
-    without bf16 instructions torch emulates bf16 matmuls at a fraction of the fp32 speed."""
+def resolve_dtype(name: str, device: torch.device, shapes=DEFAULT_SHAPES) -> torch.dtype:
+    """'auto' is bf16 on CUDA; on the CPU whichever of bf16 and fp32 runs GEMMs of `shapes` (the
+    model's projections, (N, K)) faster here, measured once and cached (dtype_choice.py)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else cpu_auto_dtype(shapes)
     try:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose auto or one of {sorted(DTYPES)}") from None
+
+
+def projection_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """(N, K) of a layer's fused projections: qkv, o, gate_up, down."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return (q + 2 * kv, h), (h, q), (2 * i, h), (h, i)
 
 
 def kv_budget_from_profile(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
@@ -54,10 +62,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str):
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.device, projection_shapes(self.model_config))
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.block_size = getattr(self.backend, "REQUIRED_BLOCK_SIZE", None) or config.block_size
         if self.block_size != config.block_size:
@@ -67,6 +75,9 @@ class ModelRunner:
         packed = self._quantized_weights(model_dir)
         if packed:
             self.model.use_quantized(packed, self.dtype)
+        if self._keep_bf16(model_dir):
+            log.info("%d matrices kept in bf16 as stored, widened to fp32 in the kernel",
+                     self.model.use_bf16_weights())
         self.model.load_weights(model_dir)
         self.model.eval()
         if config.pack_cpu_weights and PackedLinear.supported(self.device, self.dtype):
@@ -109,6 +120,12 @@ class ModelRunner:
         log.info("%d matrices served quantized as stored (%s)", len(packed),
                  ", ".join(sorted({f"{w.kind}/{w.group}" for w in packed.values()})))
         return packed
+
+    def _keep_bf16(self, model_dir: str) -> bool:
+        """bf16-stored weights in an fp32 model on the CPU stay bf16 (half the memory and the bytes
+        a step reads) where the CPU kernel loads; elsewhere they widen to fp32 at load."""
+        return (self.device.type == "cpu" and self.dtype == torch.float32 and stored_in_bf16(model_dir)
+                and cpp_attention_available())
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory != "auto":
