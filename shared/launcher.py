@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
     if sup.stopping.is_set():
         return 130
     for e, d in zip(entries, dirs):
-        log.info("model: %s (%d engine%s)", d, e.engines, "" if e.engines == 1 else "s")
+        log.info("model %s: %s (%d engine%s)", e.served_model_name or Path(d).name, d, e.engines,
+                 "" if e.engines == 1 else "s")
 
     try:
         redis_url = args.redis_url
