@@ -94,14 +94,16 @@ class Stack:
     def start_redis(self) -> None:
         self.redis, self.redis_url = start_local_redis(workdir=str(self.workdir))
 
-    def start_engine(self, engine_id: str) -> None:
-        """`kaiten engine` (or, with a step delay, the same engine with every step slowed: tests/slow_engine.py)."""
+    def start_engine(self, engine_id: str, flags: tuple[str, ...] = (), cpus: str = "") -> None:
+        """`kaiten engine` (or, with a step delay, the same engine with every step slowed: tests/slow_engine.py),
+        with `flags` after the stack's; `cpus`: pinned to those cores (`taskset -c`)."""
         flags = ["--model", self.model, "--redis-url", self.redis_url, "--engine-id", engine_id,
                  "--num-threads", str(self.num_threads), "--dtype", self.dtype, "--log-level", "INFO",
-                 *self.engine_flags]
+                 *self.engine_flags, *flags]
         head = ["-m", "tests.slow_engine", str(self.step_delay), "-"] if self.step_delay else ["-m", "shared.cli",
                                                                                                 "engine"]
-        self.engines[engine_id] = self._spawn(engine_id, [sys.executable, *head, *flags])
+        pin = ["taskset", "-c", cpus] if cpus else []
+        self.engines[engine_id] = self._spawn(engine_id, [*pin, sys.executable, *head, *flags])
 
     def start_gateway(self) -> None:
         port = free_port()

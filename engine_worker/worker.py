@@ -178,8 +178,8 @@ class EngineWorker:
             return 0
         self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
         self.started.set()
-        log.info("engine %r serving model %s (max_model_len %d, %d tokens per step)", self.engine_id,
-                 engine.model_name, engine.max_model_len, engine.config.max_num_batched_tokens)
+        log.info("engine %r serving model %s (%s; max_model_len %d, %d tokens per step)", self.engine_id,
+                 self.model, engine.model_name, engine.max_model_len, engine.config.max_num_batched_tokens)
         last_log = time.monotonic()
         try:
             while not self._stop.is_set():

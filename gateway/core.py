@@ -49,6 +49,9 @@ def model_specs(config: GatewayConfig) -> list[ModelSpec]:
     if config.model or not (config.extra_models or config.models_file):
         specs.append(ModelSpec(resolve_model_dir(config.model), config.served_model_name, config.chat_template,
                                tokenizer_url=config.tokenizer_url))
+    elif config.served_model_name:
+        raise ValueError(f"--served-model-name {config.served_model_name!r} names the first --model, and none is "
+                         "given: name the models file's models with its served_model_name")
     specs += [ModelSpec(resolve_model_dir(m)) for m in config.extra_models]
     if config.models_file:
         for entry in load_models_file(config.models_file):

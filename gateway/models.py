@@ -157,9 +157,14 @@ class ModelRegistry:
             cfg_vocab=int(cfg.get("vocab_size") or 0) or None, created=int(time.time()))
 
     def _insert(self, model: ServedModel) -> ServedModel:
-        taken = [a for a in model.aliases if a in self._by_alias]
-        if taken:
-            raise ValueError(f"two models are named {taken[0]!r}: give one a --served-model-name")
+        """Serve `model`. Served names must differ; the directory's name is a fallback alias only:
+        one directory served under two names keeps it for the first, and a served name takes it over."""
+        other = self._by_alias.get(model.name)
+        if other is not None and other.name == model.name:
+            raise ValueError(f"two models are named {model.name!r}: give one a --served-model-name")
+        if other is not None:
+            other.aliases = tuple(a for a in other.aliases if a != model.name)
+        model.aliases = tuple(a for a in model.aliases if a == model.name or a not in self._by_alias)
         self.models[model.name] = model
         for a in model.aliases:
             self._by_alias[a] = model

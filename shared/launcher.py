@@ -299,6 +299,9 @@ def model_entries(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         given = [os.environ.get("KAITEN_MODEL", "")]
     if args.engines_per_model < 1:
         parser.error("--engines-per-model must be at least 1")
+    if args.served_model_name and not given:
+        parser.error("--served-model-name names the first --model, and none is given: name the models file's "
+                     "models with its served_model_name")
     first_name = args.served_model_name or ""
     cli = [ModelEntry(m, first_name if i == 0 else "", args.engines_per_model) for i, m in enumerate(given)]
     return cli, from_file
@@ -333,7 +336,8 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
     if sup.stopping.is_set():
         return 130
     for e, d in zip(entries, dirs):
-        log.info("model: %s (%d engine%s)", d, e.engines, "" if e.engines == 1 else "s")
+        log.info("model %s: %s (%d engine%s)", e.served_model_name or Path(d).name, d, e.engines,
+                 "" if e.engines == 1 else "s")
 
     try:
         redis_url = args.redis_url

@@ -296,6 +296,9 @@ def test_serve_takes_the_models_as_argument_flags_or_file(monkeypatch, capsys, t
     spec.write_text(json.dumps({"models": [{"model": "org/c", "served_model_name": "c", "engines": 3}]}))
     assert models("--models-file", str(spec)) == [("org/c", "c", 3)]
     assert models("org/a", "--models-file", str(spec)) == [("org/a", "", 1), ("org/c", "c", 3)]
+    with pytest.raises(SystemExit) as e:        # it would name no model: refused, not ignored
+        models("--models-file", str(spec), "--served-model-name", "x")
+    assert e.value.code == 2 and "names the first --model" in capsys.readouterr().err
     spec.write_text("[]")
     with pytest.raises(SystemExit) as e:
         models("--models-file", str(spec))

@@ -7,6 +7,7 @@ LoRA control plane (load and unload over the models' control streams) runs again
 engine's add_lora, under traffic."""
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -226,6 +227,34 @@ def test_models_file_is_checked(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_models_file(path)
+
+
+def test_one_directory_served_under_two_names(tiny_model_dir, other_model_dir, tmp_path):
+    """The same weights under two served names (a models file entry naming the first --model's
+    directory again): each name is its own model with its own stream; the directory's name stays
+    an alias of the first; a served name takes the directory's name over; equal served names are refused."""
+    from gateway.core import Gateway
+    from shared.config import GatewayConfig
+
+    def registry(first: str, second: str, second_dir=tiny_model_dir):
+        path = tmp_path / f"{first}-{second}.json"
+        path.write_text(json.dumps({"models": [{"model": str(second_dir), "served_model_name": second}]}))
+        return Gateway(GatewayConfig(model=str(tiny_model_dir), served_model_name=first, models_file=str(path))).models
+
+    reg = registry("a", "b")
+    assert [m.name for m in reg.models.values()] == ["a", "b"]
+    a, b = reg.resolve("a")[0], reg.resolve("b")[0]
+    assert a is not b and a.stream == names.request_stream("a") and b.stream == names.request_stream("b")
+    assert reg.resolve(tiny_model_dir.name) == (a, "") and b.aliases == ("b",)
+    reg = registry("a", tiny_model_dir.name, other_model_dir)
+    assert reg.get(tiny_model_dir.name).model_dir == str(other_model_dir)
+    assert reg.get("a").aliases == ("a",)
+    with pytest.raises(ValueError, match="two models are named 'a'"):
+        registry("a", "a")
+    path = tmp_path / "only.json"
+    path.write_text(json.dumps({"models": [{"model": str(tiny_model_dir)}]}))
+    with pytest.raises(ValueError, match="names the first --model"):    # no --model for it to name
+        Gateway(GatewayConfig(model="", served_model_name="x", models_file=str(path)))
 
 
 def test_engine_controls_apply_in_order_and_announce_outcomes(tiny_model_dir, tmp_path):
