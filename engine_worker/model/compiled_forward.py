@@ -120,12 +120,19 @@ def inductor_cache_dir() -> Path:
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path.home() / ".cache" / "kaiten" / "inductor")
 
 
+RECOMPILE_LIMIT = 64
+
+
 def configure_inductor() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     import torch._inductor.config as inductor_config
     inductor_config.fx_graph_cache = True
     inductor_config.autotune_local_cache = True
     torch._functorch.config.enable_autograd_cache = True
+    # Each model structure in a process is one more graph of _forward (a target and its draft
+    # model, the LoRA graph, quantized or bf16 layers; many in a test process): dynamo's default
+    # of 8 graphs per function, then eager with fullgraph=True failing, is too few.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,

@@ -19,7 +19,11 @@ from shared.gguf_quant import PackedWeight
 # shapes and methods, int8 time / fp32-registers time: int4 0.75-0.86 at 1 row, 0.97-1.04 at 2-3, 1.2-1.3 from 4 (the fp32 FMAs reuse a
 # dequantized group over 4 rows more cheaply than 5 integer ops a pair); int8 weights 0.56-0.91
 # at 1-2 rows and 0.87-1.07 up to 64, so int8 for every row the dense GEMM does not take.
-MAX_INT8_ROWS = {"int4": 3, "int8": 1 << 30}
+# int4 weights keep the exact fp32-register method (0: never int8): at 1 row the int8 method saves
+# at most a quarter of the kernel, about 41% of a step, and its rounding (logprobs 0.13 off on a
+# tiny model) flipped the default model's fp32 chat answer to "What is the capital of France?",
+# a 0.1-nat tie, into "L'Etoile, la Marseillaise, ..." (tests/test_engine_smollm2.py).
+MAX_INT8_ROWS = {"int4": 0, "int8": 1 << 30}
 # Rows of x from which quant_linear dequantizes chunks for at::mm, by x's dtype (the dense GEMM's
 # speed is the dtype's). bf16: bench/quant_linear.py on a 2-core EPYC with AVX512-BF16,
 # SmolLM2-135M's shapes: in registers ahead at 16 rows, the dense GEMM at 32
