@@ -18,9 +18,10 @@ pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ C
 PROMPTS = ["The capital of France is", "Hello world! How are", "A paged KV cache stores keys", "0123456789"]
 # Logprobs of the same tokens, quantized vs dequantized: the dequantized weights are rounded to
 # bf16 at conversion (relative error up to 2^-9 a weight), the quantized ones are exact; a decode
-# step of one sequence also rounds the activations to int8 per 32 for the int8 (Q8_0) weights,
-# here the tied lm_head (the kernel's int8 method, as llama.cpp does); with the Q4_1 projections on
-# that method too, the sampled tokens' logprobs differed by 0.045 on average, 0.13 at most (33 tokens).
+# step of one sequence rounds the activations to int8 per 32 for int8 (Q8_0) projections (the
+# kernel's int8 method, as llama.cpp does; here the Q4_1 projections and the Q8_0 lm_head keep
+# exact activations); with every matrix on that method, the sampled tokens' logprobs differed by
+# 0.045 on average, 0.13 at most (33 tokens).
 LOGPROB_TOL = 0.05
 DECODE_LOGPROB_TOL, DECODE_MEAN_TOL = 0.2, 0.08
 
@@ -65,8 +66,7 @@ def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines):
 
 
 def test_single_sequence_decode_logprobs_match_dequantized(engines):
-    """One sequence decodes one row a step, whose int8-weight products (the lm_head) quant_linear
-    computes with int8 activations;
+    """One sequence decodes one row a step (int8 activations for int8-weight projections);
     the sampled tokens' logprobs agree with the dequantized model's until the first different token."""
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
     diffs = []
