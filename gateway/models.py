@@ -88,24 +88,22 @@ class ServedModel:
             view = monitor.view(best)
         self.view, self.announced = view, best
 
+    def _engines_min(self, name: str) -> int | None:
+        """The smallest value of heartbeat field `name` among the live engines (None: none says)."""
+        return min((int(e.get(name)) for e in self.view.live if e.get(name)), default=None)
+
     def max_model_len(self) -> int:
-        lens = [int(e.get("max_model_len")) for e in self.view.live if e.get("max_model_len")]
-        if lens:
-            return min(lens)
-        if self.cfg_max_len:
-            return self.cfg_max_len
+        n = self._engines_min("max_model_len") or self.cfg_max_len
+        if n:
+            return n
         tl = getattr(self.tokenizer, "model_max_length", None)
         if isinstance(tl, int) and 0 < tl < 10**7:
             return tl
         return DEFAULT_MAX_MODEL_LEN
 
     def vocab_size(self) -> int:
-        v = [int(e.get("vocab_size")) for e in self.view.live if e.get("vocab_size")]
-        if v:
-            return min(v)
-        if self.cfg_vocab:
-            return self.cfg_vocab
-        return int(getattr(self.tokenizer, "vocab_size", 0) or 0) or 2**31
+        return (self._engines_min("vocab_size") or self.cfg_vocab
+                or int(getattr(self.tokenizer, "vocab_size", 0) or 0) or 2**31)
 
     def context(self, requested: str, lora_name: str, max_n: int) -> ModelContext:
         return ModelContext(name=requested, max_model_len=self.max_model_len(), vocab_size=self.vocab_size(),

@@ -9,7 +9,7 @@ import torch
 
 from engine_worker.model import dtype_choice
 from engine_worker.model.dtype_choice import GemmRates, cpu_auto_dtype, faster_dtype
-from engine_worker.model.model_runner import projection_shapes, resolve_dtype
+from engine_worker.model.model_runner import gemm_shapes, resolve_dtype
 from engine_worker.model.llama import ModelConfig
 
 
@@ -66,4 +66,4 @@ def test_explicit_dtypes_and_cuda_measure_nothing(monkeypatch):
 
 def test_projection_shapes_of_a_model(tiny_model_dir):
     cfg = ModelConfig.from_dir(tiny_model_dir)     # hidden 64, 4 heads of 16, 2 kv heads, intermediate 128
-    assert projection_shapes(cfg) == ((128, 64), (64, 64), (256, 64), (64, 128))
+    assert gemm_shapes(cfg) == ((128, 64), (64, 64), (256, 64), (64, 128))

@@ -13,7 +13,7 @@ from engine_worker.model.cuda_graphs import DecodeGraphRunner
 from engine_worker.model.dtype_choice import DEFAULT_SHAPES, cpu_auto_dtype
 from engine_worker.model.host_memory import zeros_on_huge_pages
 from engine_worker.model.llama import LlamaForCausalLM, ModelConfig, PackedLinear, stored_in_bf16
-from engine_worker.model.lora_layers import LoraBatch
+from engine_worker.model.lora_layers import LoraBatch, projection_shapes
 from kernels.cpu_attention import cpp_attention_available
 from kernels.interface import AttentionMetadata, get_attention_backend
 from shared import gguf_quant
@@ -40,11 +40,9 @@ def resolve_dtype(name: str, device: torch.device, shapes=DEFAULT_SHAPES) -> tor
         raise ValueError(f"unknown dtype {name!r}; choose auto or one of {sorted(DTYPES)}") from None
 
 
-def projection_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+def gemm_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
     """(N, K) of a layer's fused projections: qkv, o, gate_up, down."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return (q + 2 * kv, h), (h, q), (2 * i, h), (h, i)
+    return tuple((sum(parts), fan_in) for fan_in, parts in projection_shapes(cfg).values())
 
 
 def kv_budget_from_profile(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
@@ -65,7 +63,7 @@ class ModelRunner:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.dtype = resolve_dtype(config.dtype, self.device, projection_shapes(self.model_config))
+        self.dtype = resolve_dtype(config.dtype, self.device, gemm_shapes(self.model_config))
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.block_size = getattr(self.backend, "REQUIRED_BLOCK_SIZE", None) or config.block_size
         if self.block_size != config.block_size:
