@@ -1,14 +1,15 @@
 """The engine on a quantized GGUF file: --quantization auto (the matrices as stored, multiplied by
 kaiten_cpu::quant_linear) against none (the same file dequantized to bf16 at conversion, computed
-in fp32). A tiny random Llama with tied embeddings, as SmolLM2: Q4_1 projections, a Q8_0 embedding
-that is also the output layer."""
+in fp32). A tiny random Llama with tied embeddings, as SmolLM2: Q4_1 projections (or Q8_0 ones, which
+a decode of one sequence multiplies with int8 activations), a Q8_0 embedding that is also the
+output layer."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
-from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear
+from engine_worker.model.quant_layers import MAX_INT8_ROWS, QuantEmbedding, QuantLinear
 from kernels.cpu_attention import cpp_attention_available
 from tests.test_model_source import write_llama_gguf
 from tests.tiny_model import build_tiny_model
@@ -17,20 +18,28 @@ pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ C
 
 PROMPTS = ["The capital of France is", "Hello world! How are", "A paged KV cache stores keys", "0123456789"]
 # Logprobs of the same tokens, quantized vs dequantized: the dequantized weights are rounded to
-# bf16 at conversion (relative error up to 2^-9 a weight), the quantized ones are exact; a decode
-# step of one sequence rounds the activations to int8 per 32 for int8 (Q8_0) projections (the
-# kernel's int8 method, as llama.cpp does; here the Q4_1 projections and the Q8_0 lm_head keep
-# exact activations); with every matrix on that method, the sampled tokens' logprobs differed by
-# 0.045 on average, 0.13 at most (33 tokens).
-LOGPROB_TOL = 0.05
-DECODE_LOGPROB_TOL, DECODE_MEAN_TOL = 0.2, 0.08
+# bf16 at conversion (relative error up to 2^-9 a weight), the quantized ones are exact. Q4_1
+# projections and the Q8_0 lm_head keep exact activations (measured: prompt tokens 0.038 max /
+# 0.010 mean, decode 0.044 / 0.012, all 40 greedy tokens equal). Below the dense GEMM's row count
+# (every step here) Q8_0 projections round the activations to int8 per 32 (the kernel's int8
+# method, as llama.cpp does): on this random model prompt tokens 0.173 max / 0.042 mean, decode
+# 0.195 / 0.041, and its flat distributions let greedy tokens flip (17 of 40 compared before the
+# first flip; 19 of 48 equal in the batch): token equality is checked where activations are exact.
+# tokens: the share of greedy tokens equal in the batch; compared: decode tokens before a flip.
+TOLERANCES = {"Q4_1": dict(max=0.05, mean=0.02, tokens=0.9, compared=20),
+              "Q8_0": dict(max=0.25, mean=0.06, tokens=0.0, compared=8)}
 
 
-@pytest.fixture(scope="module")
-def quant_gguf(tmp_path_factory):
+def _fmt(quant_gguf) -> str:
+    return quant_gguf.name.split(".")[-2]
+
+
+@pytest.fixture(scope="module", params=["Q4_1", "Q8_0"])
+def quant_gguf(request, tmp_path_factory):
+    """The tiny model's GGUF with projections of the param's format."""
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tied-llama"), tie_word_embeddings=True)
-    return write_llama_gguf(model_dir, tmp_path_factory.mktemp("gguf") / "tiny-llama.Q4_1.gguf",
-                            qtype="Q4_1", embed_qtype="Q8_0")
+    return write_llama_gguf(model_dir, tmp_path_factory.mktemp("gguf") / f"tiny-llama.{request.param}.gguf",
+                            qtype=request.param, embed_qtype="Q8_0")
 
 
 @pytest.fixture(scope="module")
@@ -42,32 +51,36 @@ def engines(quant_gguf, tmp_path_factory):
                        enforce_eager=q == "none") for q in ("auto", "none")}
 
 
-def test_auto_serves_every_matrix_quantized(engines):
+def test_auto_serves_every_matrix_quantized(engines, quant_gguf):
     model = engines["auto"].engine.runner.model
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.lm_head is model.embed_tokens.table
+    int8 = _fmt(quant_gguf) == "Q8_0"
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert isinstance(lin, QuantLinear) and lin.qweight.dtype == torch.uint8
+            assert isinstance(lin, QuantLinear) and lin.qweight.dtype == (torch.int8 if int8 else torch.uint8)
+            assert lin.max_int8_rows == MAX_INT8_ROWS["int8" if int8 else "int4"]    # int8 method at 1 row
     assert model.embed_tokens.table.qweight.dtype == torch.int8
     assert not any(isinstance(m, QuantLinear) for m in engines["none"].engine.runner.model.modules())
 
 
-def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines):
+def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines, quant_gguf):
+    tol = TOLERANCES[_fmt(quant_gguf)]
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = {q: llm.generate(PROMPTS, params) for q, llm in engines.items()}
     assert engines["auto"].engine.runner.compiled is not None
     assert "kaiten_cpu::quant_linear" in {e.key for e in prof.key_averages()}
-    for a, b in zip(got["auto"], got["none"]):
-        diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
-        assert max(diffs) < LOGPROB_TOL, diffs
+    diffs = [abs(x.logprob - y.logprob) for a, b in zip(got["auto"], got["none"])
+             for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+    assert max(diffs) < tol["max"] and sum(diffs) / len(diffs) < tol["mean"], diffs
     tokens = [(x, y) for a, b in zip(got["auto"], got["none"]) for x, y in zip(a.token_ids, b.token_ids)]
-    assert sum(x == y for x, y in tokens) >= 0.9 * len(tokens)
+    assert sum(x == y for x, y in tokens) >= tol["tokens"] * len(tokens)
 
 
-def test_single_sequence_decode_logprobs_match_dequantized(engines):
+def test_single_sequence_decode_logprobs_match_dequantized(engines, quant_gguf):
     """One sequence decodes one row a step (int8 activations for int8-weight projections);
     the sampled tokens' logprobs agree with the dequantized model's until the first different token."""
+    tol = TOLERANCES[_fmt(quant_gguf)]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
     diffs = []
     for prompt in PROMPTS:
@@ -76,5 +89,5 @@ def test_single_sequence_decode_logprobs_match_dequantized(engines):
             if x != y:
                 break
             diffs.append(abs(lx.logprob - ly.logprob))
-    assert len(diffs) >= 20
-    assert max(diffs) < DECODE_LOGPROB_TOL and sum(diffs) / len(diffs) < DECODE_MEAN_TOL, diffs
+    assert len(diffs) >= tol["compared"]
+    assert max(diffs) < tol["max"] and sum(diffs) / len(diffs) < tol["mean"], diffs
