@@ -9,10 +9,10 @@ rounds interleave the mixes; the table has the medians and the per-round ratio t
 An engine with LoRA disabled (--max-loras 0) runs the base-only mix in the same rounds: the
 cost of having slots when no request uses them.
 
-Also times three ways to apply the adapters of a decode batch of 32 tokens (4 adapters, 8 tokens
-each) to one layer's projections: kaiten::lora_add's two layouts (the runs padded for two bmm
-calls, which the engine uses for such a batch, and a pair of matmuls per slot, which it uses for
-uneven runs) and a per-token gather of A and B followed by bmm (BGMV-like in torch ops).
+Also times ways to apply the adapters of a decode batch of 32 tokens (4 adapters, 8 tokens each)
+to one layer's projections: the C++ kernel kaiten_cpu::lora_add_ (what the engine runs in fp32 on
+the CPU), the torch-op kaiten::lora_add_ in its two layouts (the runs padded for batched matmuls,
+and matmuls per slot) and a per-token gather of A and B followed by bmm (BGMV-like in torch ops).
 
     .venv/bin/python bench/lora.py [--rounds 3] [--prompt-len 64] [--output-len 64]
 
@@ -38,7 +38,7 @@ from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.timing import median_ms  # noqa: E402
 from engine_worker.engine.llm_engine import LLMEngine  # noqa: E402
 from engine_worker.engine.sampling_params import SamplingParams  # noqa: E402
-from engine_worker.model.lora_layers import LoraBatch, lora_add, projection_shapes  # noqa: E402
+from engine_worker.model.lora_layers import LoraBatch, lora_add_, projection_shapes  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.model_source import resolve_model  # noqa: E402
 from tests.tiny_model import build_lora_adapter  # noqa: E402
@@ -102,32 +102,41 @@ def engine_rounds(args, model_dir: Path, adapters: dict[str, str]) -> dict:
 def kernel_times(model_dir: Path, runs: int) -> dict:
     """ms per layer (4 projections) for a decode batch of 32 tokens over 4 adapters."""
     from engine_worker.model.llama import ModelConfig
+    from kernels.cpu_attention import cpp_attention_available
     shapes = projection_shapes(ModelConfig.from_dir(model_dir))
     torch.manual_seed(0)
     slots = torch.arange(CONCURRENCY) % NUM_ADAPTERS
     padded = LoraBatch.build(slots.numpy(), NUM_ADAPTERS, torch.device("cpu"))
     assert padded.pad_index.numel(), "an even decode batch is padded"
-    sort = torch.argsort(slots, stable=True)
-    bounds = torch.arange(0, CONCURRENCY + 1, CONCURRENCY // NUM_ADAPTERS)
-    none = torch.zeros(0, dtype=torch.int64)
-    segmented = LoraBatch(sort, bounds, none, none, torch.zeros(2, dtype=torch.int64))
+    segmented = LoraBatch.build(slots.numpy(), NUM_ADAPTERS, torch.device("cpu"), padded=False)
     layer = []
     for fan_in, outs in shapes.values():
-        w = len(outs) * RANK
         layer.append((torch.randn(CONCURRENCY, sum(outs)), torch.randn(CONCURRENCY, fan_in),
-                      torch.randn(NUM_ADAPTERS, fan_in, w), torch.randn(NUM_ADAPTERS, w, sum(outs))))
+                      torch.randn(NUM_ADAPTERS, fan_in, len(outs) * RANK), torch.randn(NUM_ADAPTERS, RANK, sum(outs)),
+                      outs))
 
-    def gathered():
-        for y, x, a, b in layer:
-            y + torch.bmm(torch.bmm(x[:, None], a[slots]), b[slots])[:, 0]
+    def gathered():       # B as the block-diagonal [parts * R, out] it was before
+        for y, x, a, b, outs in layer:
+            block = torch.block_diag(*[b[0, :, :n] for n in outs])[None].expand(NUM_ADAPTERS, -1, -1)
+            y + torch.bmm(torch.bmm(x[:, None], a[slots]), block[slots])[:, 0]
+    fns = {"padded_ms": lambda: [lora_add_(y, x, a, b, outs, *padded.args()) for y, x, a, b, outs in layer],
+           "per_slot_ms": lambda: [lora_add_(y, x, a, b, outs, *segmented.args()) for y, x, a, b, outs in layer],
+           "gathered_ms": gathered}
+    if cpp_attention_available():
+        fns["cpp_ms"] = lambda: [torch.ops.kaiten_cpu.lora_add_(y, x, a, b, outs, segmented.token_index,
+                                                                segmented.bounds) for y, x, a, b, outs in layer]
     with torch.inference_mode():
-        for y, x, a, b in layer:
-            assert torch.allclose(lora_add(y, x, a, b, *padded.args()), lora_add(y, x, a, b, *segmented.args()),
-                                  atol=1e-3)
-        return {name: median_ms(fn, runs)[0] for name, fn in (
-            ("padded_ms", lambda: [lora_add(y, x, a, b, *padded.args()) for y, x, a, b in layer]),
-            ("per_slot_ms", lambda: [lora_add(y, x, a, b, *segmented.args()) for y, x, a, b in layer]),
-            ("gathered_ms", gathered))}
+        for y, x, a, b, outs in layer:          # the ops add the same terms
+            outputs = [y.clone() for _ in range(3)]
+            lora_add_(outputs[0], x, a, b, outs, *padded.args())
+            lora_add_(outputs[1], x, a, b, outs, *segmented.args())
+            if "cpp_ms" in fns:
+                torch.ops.kaiten_cpu.lora_add_(outputs[2], x, a, b, outs, segmented.token_index, segmented.bounds)
+            else:
+                outputs.pop()
+            for out in outputs[1:]:
+                assert torch.allclose(out, outputs[0], atol=1e-3)
+        return {name: median_ms(fn, runs)[0] for name, fn in fns.items()}
 
 
 def write(report: dict) -> None:
@@ -151,11 +160,13 @@ def write(report: dict) -> None:
         ratio = statistics.median(v / b for v, b in zip(vals, base))
         lines.append(f"| {mix} | {m['base']} | {m['adapters']} | {statistics.median(vals):.1f} | "
                      f"{', '.join(f'{v:.1f}' for v in vals)} | {ratio:.2f} |")
+    cpp = (f"kaiten_cpu::lora_add_, the C++ kernel the engine runs in fp32 on the CPU, {k['cpp_ms']:.3f} ms; "
+           if "cpp_ms" in k else "")
     lines += ["", f"Applying 4 adapters to one layer's 4 projections for a decode batch of {CONCURRENCY} tokens "
-              f"(8 per adapter), fp32, median of {report['kernel_runs']} runs: kaiten::lora_add with the runs "
-              f"padded into two bmm calls (what the engine runs for such a batch) {k['padded_ms']:.3f} ms; the "
-              f"same op with a pair of matmuls per slot (its layout for uneven runs) {k['per_slot_ms']:.3f} ms; "
-              f"a per-token gather of A and B then bmm {k['gathered_ms']:.3f} ms."]
+              f"(8 per adapter), fp32, in place, median of {report['kernel_runs']} runs: {cpp}kaiten::lora_add_ "
+              f"in torch ops (where the kernel is not used) with the runs padded into batched matmuls "
+              f"{k['padded_ms']:.3f} ms, with matmuls per slot (its layout for uneven runs) {k['per_slot_ms']:.3f} "
+              f"ms; a per-token gather of A and a block-diagonal B then bmm {k['gathered_ms']:.3f} ms."]
     (RESULTS / "lora.md").write_text("\n".join(lines) + "\n")
 
 

@@ -17,7 +17,8 @@ get_attention_backend("auto") falls back to the torch backend when it cannot.
 The extension also registers dispatcher ops for compiled graphs (kaiten_cpu::paged_attention,
 ::write_kv, ::packed_linear from csrc/packed_linear_cpu.cpp, oneDNN's linear on a packed weight,
 ::quant_linear from csrc/quant_linear_cpu.cpp, GGUF-quantized weights multiplied as stored, and
-::bf16_linear from csrc/bf16_linear_cpu.cpp, bf16-stored weights widened to fp32 on the way in);
+::bf16_linear from csrc/bf16_linear_cpu.cpp, bf16-stored weights widened to fp32 on the way in,
+::lora_add_ from csrc/lora_cpu.cpp, batched LoRA in place);
 cpu_ops_loaded() says whether they are there.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "packed_linear_cpu.cpp", _CSRC / "quant_linear_cpu.cpp",
-            _CSRC / "bf16_linear_cpu.cpp"]
+            _CSRC / "bf16_linear_cpu.cpp", _CSRC / "lora_cpu.cpp"]
 # The loaded extension module, or the reason it could not be built (per process).
 _EXTENSION_CACHE: dict[str, object] = {}
 
@@ -182,6 +183,8 @@ def _register_fakes() -> None:
         lambda x, qweight, scales, mins, max_int8_rows, min_dense_rows: x.new_empty((*x.shape[:-1], qweight.shape[0])))
     torch.library.register_fake("kaiten_cpu::bf16_linear")(
         lambda x, weight, bias, min_dense_rows: x.new_empty((*x.shape[:-1], weight.shape[0])))
+    torch.library.register_fake("kaiten_cpu::lora_add_")(
+        lambda y, x, a, b, splits, token_index, bounds: None)
 
 
 def cpu_ops_loaded() -> bool:

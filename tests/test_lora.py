@@ -283,15 +283,28 @@ def test_scheduler_lets_others_pass_a_waiting_adapter():
 @pytest.mark.parametrize("slots", [[0, 1, 2, 3] * 8, [2] * 20 + [0] * 3 + [-1] * 5 + [3] * 4,
                                    [1] * 40 + [0, 2, -1], [-1, 1, -1, 1], [-1] * 5])
 def test_lora_add_layouts_equal_per_token(slots):
-    """Both layouts (even runs padded for bmm, uneven runs per slot) give y + x A_s B_s per token."""
+    """Both layouts (even runs padded for bmm, uneven runs per slot) and the C++ kernel add
+    x A_s B_s per token, each part of a fused projection (here three, of 40, 12 and 12 outputs)
+    through its own rank columns."""
     import numpy as np
-    from engine_worker.model.lora_layers import LoraBatch, lora_add
+    from engine_worker.model.lora_layers import LoraBatch, lora_add_
+    from kernels.cpu_attention import cpp_attention_available
     torch.manual_seed(0)
     slots = np.array(slots)
-    x, y = torch.randn(len(slots), 24), torch.randn(len(slots), 40)
-    a, b = torch.randn(4, 24, 6), torch.randn(4, 6, 40)
+    x, y = torch.randn(len(slots), 40), torch.randn(len(slots), 64)
+    a, b = torch.randn(4, 40, 9), torch.randn(4, 3, 64)
+    block = torch.zeros(4, 9, 64)                    # B as one block-diagonal matrix
+    for i, (lo, hi) in enumerate([(0, 40), (40, 52), (52, 64)]):
+        block[:, 3 * i:3 * i + 3, lo:hi] = b[:, :, lo:hi]
+    want = torch.stack([y[i] + (x[i] @ a[s] @ block[s] if s >= 0 else 0) for i, s in enumerate(slots)])
+    if cpp_attention_available():
+        segmented = LoraBatch.build(slots, 4, torch.device("cpu"), padded=False)
+        got = y.clone()
+        torch.ops.kaiten_cpu.lora_add_(got, x, a, b, [40, 12, 12], segmented.token_index, segmented.bounds)
+        torch.testing.assert_close(got, want)
     batch = LoraBatch.build(slots, 4, torch.device("cpu"))
-    want = torch.stack([y[i] + (x[i] @ a[s] @ b[s] if s >= 0 else 0) for i, s in enumerate(slots)])
-    torch.testing.assert_close(lora_add(y, x, a, b, *batch.args()), want)
+    got = y.clone()
+    lora_add_(got, x, a, b, [40, 12, 12], *batch.args())
+    torch.testing.assert_close(got, want)
     padded = bool(batch.pad_index.numel())
     assert padded == (list(slots) in ([0, 1, 2, 3] * 8, [-1, 1, -1, 1]))

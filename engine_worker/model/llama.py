@@ -202,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             for module, keys in ((layer.self_attn, ("qkv", "o")), (layer.mlp, ("gate_up", "down"))):
                 module.lora = nn.ModuleDict({
-                    k: LoraStack(num_slots, shapes[k][0], len(shapes[k][1]) * max_rank, sum(shapes[k][1]), dtype, device)
+                    k: LoraStack(num_slots, shapes[k][0], shapes[k][1], max_rank, dtype, device)
                     for k in keys})
 
     def write_lora(self, slot: int, weights: dict | None) -> None:

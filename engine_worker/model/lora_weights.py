@@ -2,9 +2,8 @@
 checked against the base model, laid out for the model's fused projections.
 
 Each fused projection (qkv, o, gate_up, down) gets one pair: A [in, parts * max_rank] and B
-[parts * max_rank, out], where part i (q, k, v or gate, up) owns rank columns i*R..i*R+r of A and
-the matching rows of B, its block of B covering only its slice of the fused output (block
-diagonal). The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into B. Modules the
+[max_rank, out], where part i (q, k, v or gate, up) owns rank columns i*R..i*R+r of A and rows
+0..r of its slice of B's columns (its slice of the fused output). The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into B. Modules the
 adapter leaves out stay zero.
 """
 from __future__ import annotations
@@ -41,7 +40,7 @@ class LoraWeights:
     name: str
     path: str
     rank: int
-    # (layer, fused projection) -> (A [in, parts * max_rank], B [parts * max_rank, out])
+    # (layer, fused projection) -> (A [in, parts * max_rank], B [max_rank, out])
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -71,11 +70,11 @@ def load_lora(name: str, path: str | Path, cfg: ModelConfig, max_rank: int, dtyp
                              "(an adapter for another base model?)")
         if (layer, proj) not in weights:
             weights[layer, proj] = (torch.zeros(fan_in, len(outs) * max_rank, dtype=dtype),
-                                    torch.zeros(len(outs) * max_rank, sum(outs), dtype=dtype))
+                                    torch.zeros(max_rank, sum(outs), dtype=dtype))
         big_a, big_b = weights[layer, proj]
-        col, row = part * max_rank, sum(outs[:part])
+        col, start = part * max_rank, sum(outs[:part])
         big_a[:, col:col + rank] = a.t().to(dtype)
-        big_b[col:col + rank, row:row + outs[part]] = (b.t().double() * scaling).to(dtype)
+        big_b[:rank, start:start + outs[part]] = (b.t().double() * scaling).to(dtype)
     if not weights:
         raise ValueError(f"LoRA adapter {name!r}: {path / WEIGHTS_FILE} holds no LoRA weights")
     return LoraWeights(name, str(path), rank, weights)
