@@ -45,67 +45,67 @@ struct Run {
 inline Vec load(const float* p, int64_t n) { return n >= VL ? Vec::loadu(p) : Vec::loadu(p, n); }
 inline void store(const Vec& v, float* p, int64_t n) { n >= VL ? v.store(p) : v.store(p, n); }
 
-// h[t, c:c + kVecs * VL] = x[rows[t]] A_s[:, c:...] for the tokens t0..t0+nt of one slot.
+// The kVecs vectors of a row from p (left columns remain: the tail masked, past it zeros), and back.
+inline void load_row(Vec (&row)[kVecs], const float* p, int64_t left) {
+  UNROLL
+  for (int v = 0; v < kVecs; ++v) row[v] = v * VL < left ? load(p + v * VL, left - v * VL) : Vec(0.f);
+}
+inline void store_row(const Vec (&row)[kVecs], float* p, int64_t left) {
+  UNROLL
+  for (int v = 0; v < kVecs; ++v)
+    if (v * VL < left) store(row[v], p + v * VL, left - v * VL);
+}
+
+// acc[t] += sum over k < depth of s[t][k] m[k, 0:left] (m's rows ld apart): both halves' core, the
+// shrink over A's rows (s: the tokens' x rows), the expand over B's rows (s: their h columns).
 template <int NT>
-void shrink_block(const Lora& L, int64_t slot, int64_t t0, int64_t c) {
-  Vec acc[NT][kVecs];
-  UNROLL
-  for (int t = 0; t < NT; ++t)
-    UNROLL
-    for (int v = 0; v < kVecs; ++v) acc[t][v] = Vec(0.f);
-  const float* xs[NT];
-  UNROLL
-  for (int t = 0; t < NT; ++t) xs[t] = L.x + L.rows[t0 + t] * L.x_stride;
-  const float* a = L.a + slot * L.in * L.w + c;
-  const int64_t left = L.w - c;
-  for (int64_t i = 0; i < L.in; ++i, a += L.w) {
-    Vec av[kVecs];
-    UNROLL
-    for (int v = 0; v < kVecs; ++v) av[v] = v * VL < left ? load(a + v * VL, left - v * VL) : Vec(0.f);
+inline void rank_one_updates(Vec (&acc)[NT][kVecs], const float* const* s, const float* m, int64_t ld,
+                             int64_t depth, int64_t left) {
+  for (int64_t k = 0; k < depth; ++k, m += ld) {
+    Vec mv[kVecs];
+    load_row(mv, m, left);
     UNROLL
     for (int t = 0; t < NT; ++t) {
-      const Vec xv(xs[t][i]);
+      const Vec sv(s[t][k]);
       UNROLL
-      for (int v = 0; v < kVecs; ++v) acc[t][v] = at::vec::fmadd(xv, av[v], acc[t][v]);
+      for (int v = 0; v < kVecs; ++v) acc[t][v] = at::vec::fmadd(sv, mv[v], acc[t][v]);
     }
   }
+}
+
+// h[t, c:c + kVecs * VL] = x[rows[t]] A_s[:, c:...] for the tokens t0..t0+NT of one slot.
+template <int NT>
+void shrink_block(const Lora& L, int64_t slot, int64_t t0, int64_t c) {
+  const int64_t left = L.w - c;
+  Vec acc[NT][kVecs];
+  const float* xs[NT];
   UNROLL
-  for (int t = 0; t < NT; ++t)
+  for (int t = 0; t < NT; ++t) {
     UNROLL
-    for (int v = 0; v < kVecs; ++v)
-      if (v * VL < left) store(acc[t][v], L.h + (t0 + t) * L.w + c + v * VL, left - v * VL);
+    for (int v = 0; v < kVecs; ++v) acc[t][v] = Vec(0.f);
+    xs[t] = L.x + L.rows[t0 + t] * L.x_stride;
+  }
+  rank_one_updates<NT>(acc, xs, L.a + slot * L.in * L.w + c, L.w, L.in, left);
+  UNROLL
+  for (int t = 0; t < NT; ++t) store_row(acc[t], L.h + (t0 + t) * L.w + c, left);
 }
 
 // y[rows[t], c:c + kVecs * VL] += h[t, part's rank columns] B_s[:, c:...] for tokens t0..t0+NT.
 template <int NT>
 void expand_block(const Lora& L, int64_t slot, int64_t t0, int64_t h_col, int64_t c, int64_t end) {
-  Vec acc[NT][kVecs];
   const int64_t left = end - c;
+  Vec acc[NT][kVecs];
   float* ys[NT];
+  const float* hs[NT];
   UNROLL
   for (int t = 0; t < NT; ++t) {
     ys[t] = L.y + L.rows[t0 + t] * L.y_stride + c;
-    UNROLL
-    for (int v = 0; v < kVecs; ++v) acc[t][v] = v * VL < left ? load(ys[t] + v * VL, left - v * VL) : Vec(0.f);
+    hs[t] = L.h + (t0 + t) * L.w + h_col;
+    load_row(acc[t], ys[t], left);
   }
-  const float* b = L.b + slot * L.rank * L.out + c;
-  const float* h = L.h + t0 * L.w + h_col;
-  for (int64_t r = 0; r < L.rank; ++r, b += L.out) {
-    Vec bv[kVecs];
-    UNROLL
-    for (int v = 0; v < kVecs; ++v) bv[v] = v * VL < left ? load(b + v * VL, left - v * VL) : Vec(0.f);
-    UNROLL
-    for (int t = 0; t < NT; ++t) {
-      const Vec hv(h[t * L.w + r]);
-      UNROLL
-      for (int v = 0; v < kVecs; ++v) acc[t][v] = at::vec::fmadd(hv, bv[v], acc[t][v]);
-    }
-  }
+  rank_one_updates<NT>(acc, hs, L.b + slot * L.rank * L.out + c, L.out, L.rank, left);
   UNROLL
-  for (int t = 0; t < NT; ++t)
-    UNROLL
-    for (int v = 0; v < kVecs; ++v)
-      if (v * VL < left) store(acc[t][v], ys[t] + v * VL, left - v * VL);
+  for (int t = 0; t < NT; ++t) store_row(acc[t], ys[t], left);
 }
 
 // Calls f.template operator()<NT>(t0) over a run's tokens in tiles of kTile, the tail in one call.
