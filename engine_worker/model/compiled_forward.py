@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine_worker.model.lora_layers import LoraBatch, native_lora
+from engine_worker.model.lora_layers import LoraBatch
 from kernels.interface import AttentionBackend, AttentionMetadata, get_attention_backend
 
 log = logging.getLogger(__name__)
@@ -197,8 +197,8 @@ class CompiledForward:
             max_seqlen_q=3, max_seqlen_k=3, seqlens_q_list=lens, seqlens_k_list=lens)
         ids = torch.zeros(4, dtype=torch.int64, device=dev)
         pos = torch.tensor([0, 1, 2, 0], dtype=torch.int64, device=dev)
-        padded = not native_lora(self.kv_caches[0][0].dtype, dev)
-        batch = LoraBatch.build(np.array([0, -1, 0, -1]), self.max_loras, dev, padded) if lora else None
+        batch = LoraBatch.for_step(np.array([0, -1, 0, -1]), self.max_loras, self.kv_caches[0][0].dtype, dev) \
+            if lora else None
         self(ids, pos, meta, batch)
         seconds = time.perf_counter() - start
         log.info("compiled the model in %.1f s (Inductor cache: %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])

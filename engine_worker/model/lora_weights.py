@@ -3,8 +3,8 @@ checked against the base model, laid out for the model's fused projections.
 
 Each fused projection (qkv, o, gate_up, down) gets one pair: A [in, parts * max_rank] and B
 [max_rank, out], where part i (q, k, v or gate, up) owns rank columns i*R..i*R+r of A and rows
-0..r of its slice of B's columns (its slice of the fused output). The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into B. Modules the
-adapter leaves out stay zero.
+0..r of its slice of B's columns (its slice of the fused output). The scaling (lora_alpha / r, or
+/ sqrt(r) with rsLoRA) is folded into B. Modules the adapter leaves out stay zero.
 """
 from __future__ import annotations
 

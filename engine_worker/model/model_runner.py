@@ -13,7 +13,7 @@ from engine_worker.model.cuda_graphs import DecodeGraphRunner
 from engine_worker.model.dtype_choice import DEFAULT_SHAPES, cpu_auto_dtype
 from engine_worker.model.host_memory import zeros_on_huge_pages
 from engine_worker.model.llama import LlamaForCausalLM, ModelConfig, PackedLinear, stored_in_bf16
-from engine_worker.model.lora_layers import LoraBatch, native_lora, projection_shapes
+from engine_worker.model.lora_layers import LoraBatch, projection_shapes
 from kernels.cpu_attention import cpp_attention_available
 from kernels.interface import AttentionMetadata, get_attention_backend
 from shared import gguf_quant
@@ -253,8 +253,8 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         lora = None
         if lora_slots is not None:
-            lora = LoraBatch.build(np.array(lora_slots, dtype=np.int64)[seq_of_token], self.max_loras, dev,
-                                   padded=not native_lora(self.dtype, dev))
+            lora = LoraBatch.for_step(np.array(lora_slots, dtype=np.int64)[seq_of_token], self.max_loras,
+                                      self.dtype, dev)
         return ids, torch.from_numpy(positions).to(dev), meta, lora
 
     @torch.inference_mode()
