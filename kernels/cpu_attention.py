@@ -190,8 +190,9 @@ def _register_fakes() -> None:
 def cpu_ops_loaded() -> bool:
     """Whether the extension's dispatcher ops (kaiten_cpu::paged_attention, ::write_kv,
     ::packed_linear, ::quant_linear, ::bf16_linear, ::lora_add_) are registered in this process. A
-    compiled graph calls them directly: an op defined in Python costs about 15 us a call in its wrappers (PackedLinear; CppAttention exists
-    only with them). Traced by Dynamo as one guard on _EXTENSION_CACHE."""
+    compiled graph calls them directly: an op defined in Python costs about 15 us a call in its
+    wrappers (PackedLinear; CppAttention exists only with them). Traced by Dynamo as one guard on
+    _EXTENSION_CACHE."""
     return "module" in _EXTENSION_CACHE
 
 
