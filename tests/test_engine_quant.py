@@ -30,16 +30,17 @@ TOLERANCES = {"Q4_1": dict(max=0.05, mean=0.02, tokens=0.9, compared=20),
               "Q8_0": dict(max=0.25, mean=0.06, tokens=0.0, compared=8)}
 
 
-def _fmt(quant_gguf) -> str:
-    return quant_gguf.name.split(".")[-2]
+@pytest.fixture(scope="module", params=list(TOLERANCES))
+def fmt(request) -> str:
+    """The projections' format."""
+    return request.param
 
 
-@pytest.fixture(scope="module", params=["Q4_1", "Q8_0"])
-def quant_gguf(request, tmp_path_factory):
-    """The tiny model's GGUF with projections of the param's format."""
+@pytest.fixture(scope="module")
+def quant_gguf(fmt, tmp_path_factory):
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tied-llama"), tie_word_embeddings=True)
-    return write_llama_gguf(model_dir, tmp_path_factory.mktemp("gguf") / f"tiny-llama.{request.param}.gguf",
-                            qtype=request.param, embed_qtype="Q8_0")
+    return write_llama_gguf(model_dir, tmp_path_factory.mktemp("gguf") / f"tiny-llama.{fmt}.gguf",
+                            qtype=fmt, embed_qtype="Q8_0")
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +52,10 @@ def engines(quant_gguf, tmp_path_factory):
                        enforce_eager=q == "none") for q in ("auto", "none")}
 
 
-def test_auto_serves_every_matrix_quantized(engines, quant_gguf):
+def test_auto_serves_every_matrix_quantized(engines, fmt):
     model = engines["auto"].engine.runner.model
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.lm_head is model.embed_tokens.table
-    int8 = _fmt(quant_gguf) == "Q8_0"
+    int8 = fmt == "Q8_0"
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert isinstance(lin, QuantLinear) and lin.qweight.dtype == (torch.int8 if int8 else torch.uint8)
@@ -63,8 +64,8 @@ def test_auto_serves_every_matrix_quantized(engines, quant_gguf):
     assert not any(isinstance(m, QuantLinear) for m in engines["none"].engine.runner.model.modules())
 
 
-def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines, quant_gguf):
-    tol = TOLERANCES[_fmt(quant_gguf)]
+def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines, fmt):
+    tol = TOLERANCES[fmt]
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = {q: llm.generate(PROMPTS, params) for q, llm in engines.items()}
@@ -77,10 +78,10 @@ def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines, quant_g
     assert sum(x == y for x, y in tokens) >= tol["tokens"] * len(tokens)
 
 
-def test_single_sequence_decode_logprobs_match_dequantized(engines, quant_gguf):
+def test_single_sequence_decode_logprobs_match_dequantized(engines, fmt):
     """One sequence decodes one row a step (int8 activations for int8-weight projections);
     the sampled tokens' logprobs agree with the dequantized model's until the first different token."""
-    tol = TOLERANCES[_fmt(quant_gguf)]
+    tol = TOLERANCES[fmt]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
     diffs = []
     for prompt in PROMPTS:
