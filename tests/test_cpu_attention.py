@@ -137,6 +137,30 @@ def test_parallel_matches_serial(backend, bs):
     torch.testing.assert_close(parallel, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("heads,specs", [
+    ((9, 3), [(1, 1000)]), ((9, 3), [(1, 129)]), ((8, 2), [(1, 700), (1, 64)]),
+    ((4, 4), [(3, 257)]), ((4, 4), [(4, 300)]), ((9, 3), [(1, 127)])],
+    ids=["one-long", "one-short", "two", "mha-3-tokens", "mha-4-tokens", "under-two-parts"])
+def test_few_decodes_split_over_their_context(backend, threads, dtype, bs, heads, specs):
+    """A step of fewer decode items than 2 per thread cuts each over its context into parts that
+    the threads share, then merges the parts' softmax sums: the result matches the dense one and,
+    within rounding, the serial run's (tests run with 1 thread, which never splits)."""
+    q, kc, vc, meta, keys, values = make_batch(specs, *heads, 64, bs, dtype, seed=bs + len(specs))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = backend.attention(q, kc, vc, meta, 0.125)
+        torch.set_num_threads(threads)
+        split = backend.attention(q, kc, vc, meta, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(split.float(), dense_reference(q, keys, values, specs, 0.125), **TOL[dtype])
+    torch.testing.assert_close(split, serial, **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decodes_over_all_kv_heads_match_one_item_per_head(backend, dtype):
     """A step of many decodes runs one work item per sequence over all its kv heads; a sequence

@@ -22,6 +22,9 @@
 // Parallelism: items are sorted by estimated cost (rows x keys), longest first, and the threads of
 // at::parallel_for pull them from a shared atomic counter, so a step of many short decodes and a
 // step with one long prefill chunk both keep every thread busy. Each thread has its own scratch.
+// A step of too few decode items for the threads (one sequence: as many items as kv heads) splits
+// each over its context; the parts' unnormalised rows, maxima and sums are merged after
+// (split_decodes, combine_parts), so one stream's attention uses every core.
 //
 // Written against ATen's at::vec::Vectorized<float>; the build picks AVX-512 or AVX2 through the
 // CPU_CAPABILITY_* macro and the matching -m flags, and needs -fopenmp (kernels/cpu_attention.py).
@@ -61,6 +64,14 @@ struct Geometry {
 struct WorkItem {
   int32_t seq, kv_head, num_kv, q_begin, q_end;   // kv heads [kv_head, kv_head + num_kv), query
   int64_t cost;                                   // tokens [q_begin, q_end) of the sequence
+  int32_t key_begin = 0, key_end = -1;            // key positions [key_begin, key_end) (-1: to the last)
+  int32_t part = -1;                              // >= 0: a split decode's partial (see Partials)
+};
+
+// A decode split over its context (few sequences, so too few items for the threads): each part
+// leaves its rows unnormalised, with their running max and sum, and combine_parts merges them.
+struct SplitGroup {
+  int32_t seq, kv_head, first_part, num_parts;
 };
 
 // Per-thread fp32 scratch. Padding columns [d, dp) stay zero for the lifetime of the buffers.
@@ -495,6 +506,9 @@ struct Inputs {
   const int32_t* seqlens_k;
   const int32_t* block_tables;
   float scale;
+  float* part_o;                           // [part][RB][dp] unnormalised output rows
+  float* part_m;                           // [part][RB] running max
+  float* part_l;                           // [part][RB] sum of exp(s - max)
 };
 
 // Loads the K tile transposed into w.kt [dp][KT] (keys past nk: stale, masked later).
@@ -564,28 +578,73 @@ inline void init_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g
   std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
 }
 
-// Rows computed by the bf16 dot products hold their dims in pair order (dot: true).
+// Whether the item's products are bf16 dot products (AVX512-BF16, a bf16 cache, head_dim % 32).
+template <typename T>
+constexpr bool bf16_dot(const Geometry& g) {
+  return kBf16Dot && std::is_same_v<T, c10::BFloat16> && g.d % 32 == 0;
+}
+
+// Output row o times inv into dst. Rows of the bf16 dot products hold their dims in pair order.
+template <typename T>
+inline void store_row(const float* o, float inv, T* dst, const Geometry& g, bool dot) {
+  if (!dot) {
+    for (int64_t i = 0; i < g.d; ++i) dst[i] = static_cast<T>(o[i] * inv);
+    return;
+  }
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) store_pair_row(o, g.d, inv, dst);
+#endif
+}
+
+inline float row_sum(const float* l) {
+  float sum = 0.f;
+  for (int j = 0; j < KT; ++j) sum += l[j];
+  return sum;
+}
+
+// The item's rows into the output, or, for a part of a split decode, unnormalised into Partials.
 template <typename T>
 inline void store_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w, bool dot) {
   const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
   const int64_t rows = item_rows(it, g);
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t tok, head;
-    row_of(it, g, r, &tok, &head);
-    tok += q0;
-    const float* l = w.lsum.data() + r * KT;
-    float sum = 0.f;
-    for (int j = 0; j < KT; ++j) sum += l[j];
-    const float inv = 1.f / sum;
     const float* o = w.o.data() + r * g.dp;
-    T* dst = in.out + (tok * g.hq + head) * g.d;
-    if (!dot) {
-      for (int64_t i = 0; i < g.d; ++i) dst[i] = static_cast<T>(o[i] * inv);
+    const float sum = row_sum(w.lsum.data() + r * KT);
+    if (it.part >= 0) {
+      std::copy(o, o + g.dp, in.part_o + (it.part * RB + r) * g.dp);
+      in.part_m[it.part * RB + r] = w.m[r];
+      in.part_l[it.part * RB + r] = sum;
       continue;
     }
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) store_pair_row(o, g.d, inv, dst);
-#endif
+    int64_t tok, head;
+    row_of(it, g, r, &tok, &head);
+    store_row(o, 1.f / sum, in.out + ((tok + q0) * g.hq + head) * g.d, g, dot);
+  }
+}
+
+// Each split decode's rows: the parts' outputs rescaled to their common max, summed, normalised.
+template <typename T>
+void combine_parts(const Inputs<T>& in, const std::vector<SplitGroup>& groups, const Geometry& g) {
+  std::vector<float> o(g.dp);
+  for (const auto& grp : groups) {
+    const int32_t q_len = in.cu_seqlens_q[grp.seq + 1] - in.cu_seqlens_q[grp.seq];
+    const WorkItem it{grp.seq, grp.kv_head, 1, 0, q_len, 0};
+    const int64_t q0 = in.cu_seqlens_q[grp.seq];
+    for (int64_t r = 0; r < item_rows(it, g); ++r) {
+      float mx = kNegInf;
+      for (int32_t p = grp.first_part; p < grp.first_part + grp.num_parts; ++p) mx = std::max(mx, in.part_m[p * RB + r]);
+      std::fill(o.begin(), o.end(), 0.f);
+      float sum = 0.f;
+      for (int32_t p = grp.first_part; p < grp.first_part + grp.num_parts; ++p) {
+        const float f = std::exp(in.part_m[p * RB + r] - mx);
+        sum += f * in.part_l[p * RB + r];
+        const float* po = in.part_o + (p * RB + r) * g.dp;
+        for (int64_t i = 0; i < g.dp; ++i) o[i] += f * po[i];
+      }
+      int64_t tok, head;
+      row_of(it, g, r, &tok, &head);
+      store_row(o.data(), 1.f / sum, in.out + ((tok + q0) * g.hq + head) * g.d, g, bf16_dot<T>(g));
+    }
   }
 }
 
@@ -599,22 +658,23 @@ void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratc
   const int64_t head_rows = rows / it.num_kv;   // rows per kv head
   const int32_t* table = in.block_tables + it.seq * g.max_blocks;
   const bool direct = head_rows <= RB && g.d == g.dp;
-  const bool dot = kBf16Dot && std::is_same_v<T, c10::BFloat16> && g.d % 32 == 0;   // bf16 S = Q K^T
+  const bool dot = bf16_dot<T>(g);               // bf16 S = Q K^T
+  const int64_t key_begin = it.key_begin, key_end = it.key_end < 0 ? last_pos + 1 : it.key_end;
   const int64_t span = it.num_kv * g.d;         // elements of a key row the item reads
   const float* vrows[KT];
   const T* krows_c[KT];                        // the tile's rows in the cache (direct path)
   const T* vrows_c[KT];
 
   int64_t offs[KT], next_offs[KT];
-  const int first_nk = static_cast<int>(std::min<int64_t>(KT, last_pos + 1));
-  tile_offsets(table, 0, first_nk, it.kv_head, g, offs);
+  const int first_nk = static_cast<int>(std::min<int64_t>(KT, key_end - key_begin));
+  tile_offsets(table, key_begin, first_nk, it.kv_head, g, offs);
   prefetch_rows(in.k_cache, offs, first_nk, span);
   prefetch_rows(in.v_cache, offs, first_nk, span);
   init_rows(in, it, g, w);
   for (int64_t r = 0; r < rows; ++r) w.pos[r] = first_pos + (r % head_rows) / g.group;
-  for (int64_t kt0 = 0; kt0 <= last_pos; kt0 += KT) {
-    const int nk = static_cast<int>(std::min<int64_t>(KT, last_pos + 1 - kt0));
-    const int next_nk = static_cast<int>(std::clamp<int64_t>(last_pos + 1 - kt0 - KT, 0, KT));
+  for (int64_t kt0 = key_begin; kt0 < key_end; kt0 += KT) {
+    const int nk = static_cast<int>(std::min<int64_t>(KT, key_end - kt0));
+    const int next_nk = static_cast<int>(std::clamp<int64_t>(key_end - kt0 - KT, 0, KT));
     // The next tile's rows are asked for in pieces of one kv head's K or V, each just before the
     // same piece of this tile is used: asked for at once, a whole-row item's 6 prefetches per key
     // overrun the misses the core keeps in flight (measured 84 ms against 49 ms per 64 decodes).
@@ -679,9 +739,49 @@ void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratc
 // one item per kv head reads every row in strided pieces.
 inline bool is_direct(int64_t q_len, const Geometry& g) { return q_len * g.group <= RB && g.d == g.dp; }
 
+struct Plan {
+  std::vector<WorkItem> items;             // most expensive first
+  std::vector<SplitGroup> groups;          // the split decodes
+  int32_t num_parts = 0;
+};
+
+// A step of fewer decode items than 2 per thread (one sequence: its kv heads) leaves threads idle
+// while one reads the whole context: each such item is cut into parts of at least kMinSplitKeys
+// keys, whole tiles each, so that every thread has about two.
+constexpr int64_t kMinSplitKeys = 64;
+constexpr int64_t kMinParallelCost = 1024;   // rows x keys
+
+void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, const Geometry& g, int64_t threads) {
+  const int64_t n = static_cast<int64_t>(plan.items.size());
+  if (threads <= 1 || n == 0 || n >= 2 * threads) return;
+  std::vector<WorkItem> items;
+  for (const WorkItem& it : plan.items) {
+    const int64_t q_len = cu[it.seq + 1] - cu[it.seq], ctx = seqlens_k[it.seq];
+    const int64_t parts = std::min((2 * threads + n - 1) / n, ctx / kMinSplitKeys);
+    if (!is_direct(q_len, g) || it.num_kv != 1 || parts < 2) {
+      items.push_back(it);
+      continue;
+    }
+    const int64_t chunk = ((ctx + parts - 1) / parts + KT - 1) / KT * KT;
+    SplitGroup grp{it.seq, it.kv_head, plan.num_parts, 0};
+    for (int64_t k0 = 0; k0 < ctx; k0 += chunk) {
+      const int64_t k1 = std::min(ctx, k0 + chunk);
+      WorkItem part = it;
+      part.key_begin = static_cast<int32_t>(k0);
+      part.key_end = static_cast<int32_t>(k1);
+      part.part = plan.num_parts++;
+      part.cost = q_len * g.group * (k1 - k0) + 64 * g.group;
+      items.push_back(part);
+      ++grp.num_parts;
+    }
+    plan.groups.push_back(grp);
+  }
+  plan.items = std::move(items);
+}
+
 // Checks the metadata against the cache (a bad block id would read out of bounds) and cuts the
 // batch into work items, most expensive first.
-std::vector<WorkItem> plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
+Plan plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
                                  int64_t num_seqs, int64_t num_tokens, const Geometry& g, int64_t threads) {
   TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == num_tokens,
               "cu_seqlens_q must run from 0 to the number of query tokens");
@@ -716,18 +816,20 @@ std::vector<WorkItem> plan_items(const int32_t* cu, const int32_t* seqlens_k, co
                          static_cast<int32_t>(t1), cost});
     }
   }
-  std::stable_sort(items.begin(), items.end(),
+  Plan plan{std::move(items)};
+  if (!whole_rows) split_decodes(plan, cu, seqlens_k, g, threads);
+  std::stable_sort(plan.items.begin(), plan.items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
-  return items;
+  return plan;
 }
 
 template <typename T>
-void run_all(const Inputs<T>& in, const std::vector<WorkItem>& items, const Geometry& g) {
+void run_items(const Inputs<T>& in, const std::vector<WorkItem>& items, const Geometry& g) {
   const int64_t rows = std::max(std::max<int64_t>(1, kMaxTileRows / g.group) * g.group, g.hkv * RB);
   int64_t total = 0;
   for (const auto& it : items) total += it.cost;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (int64_t)items.size());
-  if (threads <= 1 || total < 4096) {      // under ~30 us of work: not worth waking threads
+  if (threads <= 1 || total < kMinParallelCost) {   // too little work to wake threads for
     Scratch w(rows, g.dp);
     for (const auto& it : items) run_item(in, it, g, w);
     return;
@@ -772,8 +874,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
   Geometry g{hq, hkv, hq / hkv, d, (d + 15) / 16 * 16, k_cache.size(1), k_cache.size(0), bt.size(1),
              q.stride(0), q.stride(1), hkv * d};
-  const auto items = plan_items(cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
-                                lens.size(0), q.size(0), g, at::get_num_threads());
+  const Plan plan = plan_items(cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
+                               lens.size(0), q.size(0), g, at::get_num_threads());
+  std::vector<float> part_o(plan.num_parts * RB * g.dp), part_m(plan.num_parts * RB), part_l(plan.num_parts * RB);
   const int32_t* c = cu.data_ptr<int32_t>();
   const int32_t* ctx = lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < lens.size(0); ++i)        // rows with no keys to attend to (plan_items skips them)
@@ -782,8 +885,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     using T = decltype(tag);
     Inputs<T> in{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
                  cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
-                 static_cast<float>(scale)};
-    run_all(in, items, g);
+                 static_cast<float>(scale), part_o.data(), part_m.data(), part_l.data()};
+    run_items(in, plan.items, g);
+    combine_parts(in, plan.groups, g);
   };
   if (q.scalar_type() == torch::kFloat) {
     run(float{});
