@@ -65,7 +65,7 @@ struct WorkItem {
   int32_t seq, kv_head, num_kv, q_begin, q_end;   // kv heads [kv_head, kv_head + num_kv), query
   int64_t cost;                                   // tokens [q_begin, q_end) of the sequence
   int32_t key_begin = 0, key_end = -1;            // key positions [key_begin, key_end) (-1: to the last)
-  int32_t part = -1;                              // >= 0: a split decode's partial (see Partials)
+  int32_t part = -1;                              // >= 0: a split decode's part (Inputs::part_o/m/l)
 };
 
 // A decode split over its context (few sequences, so too few items for the threads): each part
@@ -602,7 +602,7 @@ inline float row_sum(const float* l) {
   return sum;
 }
 
-// The item's rows into the output, or, for a part of a split decode, unnormalised into Partials.
+// The item's rows into the output, or, for a part of a split decode, unnormalised into in.part_o/m/l.
 template <typename T>
 inline void store_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w, bool dot) {
   const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
