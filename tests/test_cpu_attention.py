@@ -120,19 +120,24 @@ def test_bf16_head_dims_in_chunks_of_32(backend, batch, d):
     check(backend, BATCHES[batch], 8, 2, d, 16, torch.bfloat16)
 
 
+def serial_and_threaded(run, threads: int):
+    """run() with torch on 1 thread, then on `threads`; the thread count is restored after."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = run()
+        torch.set_num_threads(threads)
+        return serial, run()
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("bs", [16, 5])
 def test_parallel_matches_serial(backend, bs):
     """A batch big enough for the threaded path; the result must not depend on the thread count."""
     specs = [(1, 30 + 37 * i) for i in range(24)] + [(96, 300), (128, 128)]
     q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, bs, torch.float32, seed=bs)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = backend.attention(q, kc, vc, meta, 0.125)
-        torch.set_num_threads(2)
-        parallel = backend.attention(q, kc, vc, meta, 0.125)
-    finally:
-        torch.set_num_threads(threads)
+    serial, parallel = serial_and_threaded(lambda: backend.attention(q, kc, vc, meta, 0.125), 2)
     assert torch.equal(serial, parallel)
     torch.testing.assert_close(parallel, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
 
@@ -149,14 +154,7 @@ def test_few_decodes_split_over_their_context(backend, threads, dtype, bs, heads
     the threads share, then merges the parts' softmax sums: the result matches the dense one and,
     within rounding, the serial run's (tests run with 1 thread, which never splits)."""
     q, kc, vc, meta, keys, values = make_batch(specs, *heads, 64, bs, dtype, seed=bs + len(specs))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = backend.attention(q, kc, vc, meta, 0.125)
-        torch.set_num_threads(threads)
-        split = backend.attention(q, kc, vc, meta, 0.125)
-    finally:
-        torch.set_num_threads(before)
+    serial, split = serial_and_threaded(lambda: backend.attention(q, kc, vc, meta, 0.125), threads)
     torch.testing.assert_close(split.float(), dense_reference(q, keys, values, specs, 0.125), **TOL[dtype])
     torch.testing.assert_close(split, serial, **TOL[dtype])
 
