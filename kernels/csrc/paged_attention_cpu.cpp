@@ -749,7 +749,6 @@ struct Plan {
 // while one reads the whole context: each such item is cut into parts of at least kMinSplitKeys
 // keys, whole tiles each, so that every thread has about two.
 constexpr int64_t kMinSplitKeys = 64;
-constexpr int64_t kMinParallelCost = 1024;   // rows x keys
 
 void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, const Geometry& g, int64_t threads) {
   const int64_t n = static_cast<int64_t>(plan.items.size());
@@ -823,13 +822,17 @@ Plan plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
   return plan;
 }
 
+// Items of less estimated cost (rows x keys) in all run on the calling thread: waking the others
+// costs more (measured the same from 64 keys of one decode up).
+constexpr int64_t kMinParallelCost = 1024;
+
 template <typename T>
 void run_items(const Inputs<T>& in, const std::vector<WorkItem>& items, const Geometry& g) {
   const int64_t rows = std::max(std::max<int64_t>(1, kMaxTileRows / g.group) * g.group, g.hkv * RB);
   int64_t total = 0;
   for (const auto& it : items) total += it.cost;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (int64_t)items.size());
-  if (threads <= 1 || total < kMinParallelCost) {   // too little work to wake threads for
+  if (threads <= 1 || total < kMinParallelCost) {
     Scratch w(rows, g.dp);
     for (const auto& it : items) run_item(in, it, g, w);
     return;
