@@ -108,7 +108,7 @@ void expand_block(const Lora& L, int64_t slot, int64_t t0, int64_t h_col, int64_
   for (int t = 0; t < NT; ++t) store_row(acc[t], ys[t], left);
 }
 
-// Calls f.template operator()<NT>(t0) over a run's tokens in tiles of kTile, the tail in one call.
+// Calls Kernel<NT>::call(t0, args...) over a run's tokens in tiles of kTile, the tail in one call.
 template <template <int> class Kernel, typename... Args>
 void over_tiles(const Run& run, Args... args) {
   int64_t t = run.lo;
@@ -157,8 +157,15 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at
   for (int64_t s = 0; s + 1 < edges.numel(); ++s)
     if (e[s + 1] > e[s]) runs.push_back({s, e[s], e[s + 1]});
   TORCH_CHECK(!runs.empty() && runs.back().hi == n, "lora_add_: bounds do not cover token_index");
-
+  // Expand work items: (run, part, column block) of the fused output.
   constexpr int64_t block = kVecs * VL;
+  std::vector<int64_t> part_start(parts + 1, 0), part_blocks(parts + 1, 0);
+  for (int64_t p = 0; p < parts; ++p) {
+    part_start[p + 1] = part_start[p] + splits[p];
+    part_blocks[p + 1] = part_blocks[p] + (splits[p] + block - 1) / block;
+  }
+  TORCH_CHECK(part_start[parts] == L.out, "lora_add_: splits do not add up to y's columns");
+
   const int64_t w_blocks = (L.w + block - 1) / block;
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * w_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -166,13 +173,6 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at
       over_tiles<Shrink>(run, L, run.slot, (i % w_blocks) * block);
     }
   });
-  // Work items: (run, part, column block) of the fused output.
-  std::vector<int64_t> part_start(parts + 1, 0), part_blocks(parts + 1, 0);
-  for (int64_t p = 0; p < parts; ++p) {
-    part_start[p + 1] = part_start[p] + splits[p];
-    part_blocks[p + 1] = part_blocks[p] + (splits[p] + block - 1) / block;
-  }
-  TORCH_CHECK(part_start[parts] == L.out, "lora_add_: splits do not add up to y's columns");
   const int64_t per_run = part_blocks[parts];
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * per_run, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
