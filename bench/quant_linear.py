@@ -1,5 +1,5 @@
-"""Weight-only quantized projections on SmolLM2-135M's shapes: kaiten_cpu::quant_linear (its three
-methods: fp32 registers, int8 activations, dequantized chunks into at::mm) against the dense PackedLinear (oneDNN) in the same
+"""Weight-only quantized projections on SmolLM2-135M's shapes: kaiten_cpu::quant_linear (its two
+methods: fp32 registers, dequantized chunks into at::mm) against the dense PackedLinear (oneDNN) in the same
 dtype and PyTorch's own aten._weight_int4pack_mm_for_cpu / aten._weight_int8pack_mm (bf16 x).
 
 Each shape is timed as 30 copies (one per layer; the output layer once), so the weights stream
@@ -27,42 +27,43 @@ from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from engine_worker.model.llama import PackedLinear  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
 from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
-from shared.gguf_quant import repack  # noqa: E402
+from shared.gguf_quant import PackedWeight, repack  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"qkv 960x576": (960, 576, 30), "o 576x576": (576, 576, 30), "gate_up 3072x576": (3072, 576, 30),
           "down 576x1536": (576, 1536, 30), "lm_head 49152x576": (49152, 576, 1)}   # (N, K, copies)
-NEVER = 1 << 30     # max_int8_rows: every call; min_dense_rows: none (-1 and 0 the other way)
+NEVER = 1 << 30     # min_dense_rows: registers always (0: dense chunks always)
 
 
-def quantized(fmt: str, n: int, k: int, seed: int) -> QuantLinear:
+def quantized(fmt: str, n: int, k: int, seed: int) -> PackedWeight:
     import gguf
     w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) * 0.02
     qtype = gguf.GGMLQuantizationType[fmt]
-    return QuantLinear(repack(gguf.quants.quantize(w, qtype), fmt))
+    return repack(gguf.quants.quantize(w, qtype), fmt)
 
 
-def methods(fmt: str, layers: list[QuantLinear], dense: list[PackedLinear], m: int, dtype: torch.dtype) -> dict:
+def methods(fmt: str, weights: list[PackedWeight], dense: list[PackedLinear], m: int, dtype: torch.dtype) -> dict:
     """name -> a function running one pass over the copies, on `m` rows."""
-    n, k = layers[0].qweight.shape[0], layers[0].scales.shape[1] * 32
+    layers = [QuantLinear(p) for p in weights]
+    n, k = weights[0].shape
     x, xb = torch.randn(m, k).to(dtype), torch.randn(m, k).bfloat16()
     out = {"oneDNN (dequantized)": lambda: [d(x) for d in dense],
-           "quant_linear registers": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, -1,
-                                                                                NEVER) for q in layers],
-           "quant_linear int8": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, NEVER, NEVER)
-                                         for q in layers],
-           "quant_linear chunks+mm": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.qweight, q.scales, q.mins, -1, 0)
-                                             for q in layers]}
+           "quant_linear registers": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.tiles, *q.op_args, NEVER)
+                                              for q in layers],
+           "quant_linear chunks+mm": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.tiles, *q.op_args, 0)
+                                              for q in layers]}
+    q = [{name: torch.from_numpy(getattr(p, name)) for name in ("qweight", "scales", "mins")
+          if getattr(p, name) is not None} for p in weights]
     if fmt == "Q4_1":   # aten int4: values 0..15 with (q - 8) * scale + zero, zero = min + 8 scale
         packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            torch.cat([q.qweight.view(n, -1, 16) & 0x0F, q.qweight.view(n, -1, 16) >> 4], -1).view(n, k).int(), 1)
-            for q in layers]
-        sz = [torch.stack([q.scales, q.mins + 8 * q.scales], -1).transpose(0, 1).contiguous().bfloat16() for q in layers]
+            torch.cat([p["qweight"].view(n, -1, 16) & 0x0F, p["qweight"].view(n, -1, 16) >> 4], -1).view(n, k).int(), 1)
+            for p in q]
+        sz = [torch.stack([p["scales"], p["mins"] + 8 * p["scales"]], -1).transpose(0, 1).contiguous().bfloat16() for p in q]
         out["aten int4pack_mm (bf16 x)"] = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, 32, s)
                                                     for p, s in zip(packed, sz)]
     else:               # aten int8: per-channel scales only, so not Q8_0's per-32 ones (speed only)
-        w8 = [q.qweight for q in layers]
-        s8 = [q.scales[:, 0].bfloat16().contiguous() for q in layers]
+        w8 = [p["qweight"] for p in q]
+        s8 = [p["scales"][:, 0].bfloat16().contiguous() for p in q]
         out["aten int8pack_mm (bf16 x, per-channel)"] = lambda: [torch.ops.aten._weight_int8pack_mm(xb, w, s)
                                                                  for w, s in zip(w8, s8)]
     return out
@@ -101,11 +102,11 @@ def main() -> int:
         for label in args.shapes.split(","):
             n, k, copies = SHAPES[label]
             lines += [f"\n## {fmt} {label} x{copies}\n", "| rows | " + " | ".join(
-                [f"{args.dtype} oneDNN", "registers", "int8 x", "chunks+mm", "aten (bf16 x)"]) + " |", "|---:|---:|---:|---:|---:|---:|"]
-            layers = [quantized(fmt, n, k, seed) for seed in range(copies)]
-            dense = [PackedLinear(lin.dequantize().to(dtype), None) for lin in layers]
+                [f"{args.dtype} oneDNN", "registers", "chunks+mm", "aten (bf16 x)"]) + " |", "|---:|---:|---:|---:|---:|"]
+            weights = [quantized(fmt, n, k, seed) for seed in range(copies)]
+            dense = [PackedLinear(torch.from_numpy(p.dequantize()).to(dtype), None) for p in weights]
             for m in (int(r) for r in args.rows.split(",")):
-                t = measure(methods(fmt, layers, dense, m, dtype), args.rounds)
+                t = measure(methods(fmt, weights, dense, m, dtype), args.rounds)
                 base = t["oneDNN (dequantized)"]
                 cells = [f"{v:.3f} ({base / v:.2f}x)" for v in t.values()]
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")

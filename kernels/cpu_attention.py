@@ -8,8 +8,7 @@ torch threads. float32 and bfloat16.
 The extension is compiled on first use with torch.utils.cpp_extension (needs a C++ compiler with
 OpenMP, and ninja), once per process, and cached on disk: TORCH_EXTENSIONS_DIR if set, else
 ~/.cache/kaiten/torch_extensions, under the torch version. The build targets the CPU it runs on
-(AVX-512 with bf16, AVX-512, AVX2, else at::vec's portable code, with VNNI where the CPU has it;
-KAITEN_CPU_ISA forces one), and
+(AVX-512 with bf16, AVX-512, AVX2, else at::vec's portable code; KAITEN_CPU_ISA forces one), and
 the capability and a digest of the source are part of the extension's name, so machines and
 checkouts that share the cache get builds of their own. cpp_attention_available() says whether the kernel can be used;
 get_attention_backend("auto") falls back to the torch backend when it cannot.
@@ -58,7 +57,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"]
 _ISA_FLAGS = {
     "avx512bf16": _AVX512 + ["-mavx512bf16"],
     "avx512": _AVX512,
@@ -67,36 +66,23 @@ _ISA_FLAGS = {
 }
 
 
-# The 256-bit VNNI dot product (vpdpbusd) of quant_linear's int8 method, where the CPU has it:
-# AVX512-VNNI (with VL) or AVX-VNNI; KAITEN_VNNI selects it in the one source.
-_VNNI_FLAGS = {"avx512_vnni": ["-mavx512vnni", "-DKAITEN_VNNI"], "avx_vnni": ["-mavxvnni", "-DKAITEN_VNNI"]}
-
-
 def cpu_capability() -> tuple[str, list[str]]:
     """(name, compiler flags) of the vector ISA to build for: at::vec picks its implementation
-    from the CPU_CAPABILITY_* macro, the -m flags let the compiler emit it; "+vnni" where the CPU
-    has a VNNI for the build's ISA. KAITEN_CPU_ISA (avx512bf16, avx512, avx2, default, each with
-    an optional +vnni) forces one, e.g. to test the AVX2 build."""
-    flags = _cpu_flags()
+    from the CPU_CAPABILITY_* macro, the -m flags let the compiler emit it. KAITEN_CPU_ISA
+    (avx512bf16, avx512, avx2, default) forces one, e.g. to test the AVX2 build."""
     forced = os.environ.get("KAITEN_CPU_ISA")
     if forced:
-        isa, _, vnni = forced.partition("+")
-        if isa not in _ISA_FLAGS or vnni not in ("", "vnni") or (vnni and isa == "default"):
-            raise ValueError(f"KAITEN_CPU_ISA={forced!r}: expected one of {', '.join(_ISA_FLAGS)}, "
-                             "the first three optionally with +vnni")
-        vnni_flag = ("avx512_vnni" if isa.startswith("avx512") else "avx_vnni") if vnni else None
+        if forced not in _ISA_FLAGS:
+            raise ValueError(f"KAITEN_CPU_ISA={forced!r}: expected one of {', '.join(_ISA_FLAGS)}")
+        return forced, _ISA_FLAGS[forced]
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        isa = "avx512bf16" if "avx512_bf16" in flags else "avx512"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        isa = "avx2"
     else:
-        if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
-            isa = "avx512bf16" if "avx512_bf16" in flags else "avx512"
-            vnni_flag = "avx512_vnni"
-        elif {"avx2", "fma", "f16c"} <= flags:
-            isa, vnni_flag = "avx2", "avx_vnni"
-        else:
-            isa, vnni_flag = "default", None
-        vnni_flag = vnni_flag if vnni_flag in flags else None
-    if vnni_flag is None:
-        return isa, _ISA_FLAGS[isa]
-    return f"{isa}+vnni", _ISA_FLAGS[isa] + _VNNI_FLAGS[vnni_flag]
+        isa = "default"
+    return isa, _ISA_FLAGS[isa]
 
 
 def _build_dir(name: str) -> Path:
@@ -180,7 +166,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("kaiten_cpu::packed_linear")(
         lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
     torch.library.register_fake("kaiten_cpu::quant_linear")(
-        lambda x, qweight, scales, mins, max_int8_rows, min_dense_rows: x.new_empty((*x.shape[:-1], qweight.shape[0])))
+        lambda x, tiles, n, k, bits, group, has_mins, min_dense_rows: x.new_empty((*x.shape[:-1], n)))
     torch.library.register_fake("kaiten_cpu::bf16_linear")(
         lambda x, weight, bias, min_dense_rows: x.new_empty((*x.shape[:-1], weight.shape[0])))
     torch.library.register_fake("kaiten_cpu::lora_add_")(

@@ -1,4 +1,5 @@
-"""GGUF quantized tensors repacked, without loss, into the two layouts the CPU kernels read.
+"""GGUF quantized tensors repacked, without loss, into two layouts (stored next to the model; the
+engine tiles them for its kernel at load, engine_worker/model/quant_tiles.py).
 
 A packed weight [N, K] holds groups of ``group`` consecutive inputs of a row, each with an fp32
 scale and (optionally) an fp32 min; an element is ``q * scale + min``:

@@ -249,10 +249,6 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = self.embed_tokens.table
         if "lm_head" in packed:
             self.lm_head = QuantLinear(packed["lm_head"])
-        if isinstance(self.lm_head, QuantLinear):
-            # The logits keep exact activations: rounding them to int8 flipped a 0.1-nat tie of
-            # the default model's greedy chat answer into a wrong one (tests/test_engine_smollm2.py).
-            self.lm_head.max_int8_rows = 0
 
     def use_bf16_weights(self) -> int:
         """Swap every nn.Linear and the nn.Embedding for layers that keep their weights in bf16 and

@@ -1,25 +1,26 @@
-// kaiten_cpu::quant_linear: y = x W^T with W stored as GGUF blocks repacked (shared/gguf_quant.py):
-//   int4: qweight uint8 [N, K/2], per group of 32 byte i = element i (low nibble) | element i+16 (high)
-//   int8: qweight int8 [N, K], groups of 16 or 32
-// each group with an fp32 scale and, optionally, an fp32 min: w = q * scale + min.
+// kaiten_cpu::quant_linear: y = x W^T with W's GGUF blocks in tiles of kTileRows weight rows
+// (engine_worker/model/quant_tiles.py), the tiles one after another, each
+//   scales [G][kTileRows], then mins [G][kTileRows] where the format has them, both fp16 (where
+//   that is exact: Q4_0, Q4_1, Q8_0) or fp32; then the stored integers [G][kTileRows][bytes],
+// for the G groups of a row: int4 groups of 32 in 16 bytes (byte i: element i in the low nibble,
+// i + 16 in the high), int8 groups of 16 or 32 bytes. An element is q * scale + min.
+// A tile is one stream of bytes, read front to back, so a thread's share of W streams from memory
+// as one run, and fp16 scales keep the tensor at the GGUF file's size (20 bytes per 32 int4
+// weights, 34 per 32 int8).
 //
-// Three methods, chosen by the number of rows m of x (thresholds from the caller, measured by
+// Two methods, chosen by the number of rows m of x (threshold from the caller, measured by
 // bench/quant_linear.py):
 // * m >= min_dense_rows (prefill, large decode batches): chunks of weight rows are dequantized
 //   into scratch and multiplied in x's dtype by at::mm (oneDNN/MKL), whose blocked GEMM is faster
 //   once a dequantized weight is reused by enough rows.
-// * else m <= max_int8_rows, int8 activations (as llama.cpp's q8 dot products): each row of x is
-//   quantized once per call to int8 per block of 32 (scale amax / 127, round to nearest even),
-//   then integer dot products against the stored integers (AVX2 maddubs + madd, or VNNI dpbusd),
-//   scaled per group in fp32; a min adds min * (the exact fp32 sum of x over the group).
-// * else in fp32 registers: weights are dequantized in registers, one group
-//   of a few weight rows at a time, and multiplied into up to kRowBlock rows of x at once.
-//   The last two keep no dequantized copy in memory, so a step reads the weights as stored (4.5
-//   or 8.5 bits a weight instead of 16 or 32). Threads split the output features.
+// * else in fp32 registers, with x exact: per group, the dot product of x with the stored
+//   integers (widened to fp32) is scaled once: y = sum_g scale_g * (x_g . q_g) + sum_g min_g *
+//   sum(x_g), the second from x's group sums, computed once per call. A tile's scales are widened
+//   once for all the rows of x, which meet the tile while it is in L1.
+// Threads split the tiles.
 //
 // One source for AVX-512 and AVX2 (at::vec::Vectorized<float>, with the byte unpacking in the
-// matching intrinsics; the integer dot products are 256-bit on both, with VNNI's dpbusd where the
-// build has KAITEN_VNNI), and a portable fallback; the ISA comes from CPU_CAPABILITY_* as in
+// matching intrinsics) and a portable fallback; the ISA comes from CPU_CAPABILITY_* as in
 // paged_attention_cpu.cpp.
 #include <torch/extension.h>
 
@@ -29,13 +30,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int VL = Vec::size();
-constexpr int kInt4Group = 32;
-constexpr int kRowBlock = 4;        // rows of x per pass over a weight row
+constexpr int kTileRows = 4;        // weight rows a tile (quant_tiles.TILE_ROWS)
+constexpr int kRowBlock = 4;        // rows of x per pass over a tile
 // Fully unrolled fixed-size loops let the compiler keep the vector arrays in registers.
 #define UNROLL _Pragma("GCC unroll 16")
 constexpr int64_t kChunkBytes = 4 << 20;   // fp32 scratch per dequantized chunk of weight rows
@@ -54,14 +56,14 @@ inline void unpack_int4(const uint8_t* p, Vec* q) {
     q[2 + h] = Vec(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)));
   }
 #else
-  float v[kInt4Group];
+  float v[32];
   UNROLL
-  for (int i = 0; i < kInt4Group / 2; ++i) {
+  for (int i = 0; i < 16; ++i) {
     v[i] = static_cast<float>(p[i] & 0x0F);
-    v[i + kInt4Group / 2] = static_cast<float>(p[i] >> 4);
+    v[i + 16] = static_cast<float>(p[i] >> 4);
   }
   UNROLL
-  for (int j = 0; j < kInt4Group / VL; ++j) q[j] = Vec::loadu(v + j * VL);
+  for (int j = 0; j < 32 / VL; ++j) q[j] = Vec::loadu(v + j * VL);
 #endif
 }
 
@@ -79,61 +81,96 @@ inline Vec unpack_int8(const int8_t* p) {
 #endif
 }
 
-struct QuantWeight {
-  const uint8_t* q;        // row-major; int4: K / 2 bytes a row, int8: K
-  const float* scales;     // [N, K / group]
-  const float* mins;       // [N, K / group] or nullptr
-  int64_t k, groups, row_bytes;
+inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+}
+
+struct Tiles {
+  const uint8_t* data;
+  int64_t n, k, groups, tiles, tile_bytes;
+  int scale_bytes;   // 2: fp16, 4: fp32
+  bool has_mins;
+
+  const uint8_t* tile(int64_t t) const { return data + t * tile_bytes; }
+  int64_t scale_count() const { return groups * kTileRows; }
+  const uint8_t* ints(const uint8_t* tile) const { return tile + scale_count() * scale_bytes * (has_mins ? 2 : 1); }
 };
 
-// Dequantizes group g of a weight row into G / VL vectors (int4: G is 32).
-template <bool kInt4, int G>
-struct Group {
-  static constexpr int kVecs = G / VL;
-  static_assert(G % VL == 0, "a group must be whole vectors");
+// A tile's scales and mins as fp32 [G][kTileRows]: fp16 ones widened into buf (2 x scale_count()).
+struct TileScales {
+  const float* scales;
+  const float* mins;   // nullptr without mins
 
-  static inline void load(const QuantWeight& w, int64_t n, int64_t g, Vec* out) {
-    const Vec scale(w.scales[n * w.groups + g]);
-    const uint8_t* row = w.q + n * w.row_bytes;
-    if constexpr (kInt4) {
-      const Vec min(w.mins[n * w.groups + g]);
-      unpack_int4(row + g * G / 2, out);
-      UNROLL
-      for (int j = 0; j < kVecs; ++j) out[j] = at::vec::fmadd(out[j], scale, min);
-    } else {
-      const int8_t* p = reinterpret_cast<const int8_t*>(row) + g * G;
-      if (w.mins) {
-        const Vec min(w.mins[n * w.groups + g]);
-        UNROLL
-        for (int j = 0; j < kVecs; ++j) out[j] = at::vec::fmadd(unpack_int8(p + j * VL), scale, min);
+  TileScales(const Tiles& w, const uint8_t* tile, float* buf) {
+    const int64_t count = w.scale_count();
+    const float* parts[2] = {nullptr, nullptr};
+    for (int part = 0; part < (w.has_mins ? 2 : 1); ++part) {
+      const uint8_t* src = tile + part * count * w.scale_bytes;
+      if (w.scale_bytes == 4) {
+        parts[part] = reinterpret_cast<const float*>(src);
       } else {
-        UNROLL
-        for (int j = 0; j < kVecs; ++j) out[j] = unpack_int8(p + j * VL) * scale;
+        half_to_float(reinterpret_cast<const uint16_t*>(src), buf + part * count, count);
+        parts[part] = buf + part * count;
       }
+    }
+    scales = parts[0];
+    mins = parts[1];
+  }
+};
+
+// The stored integers of one row's group of G as G / VL fp32 vectors, in input order.
+template <bool kInt4, int G>
+struct Ints {
+  static_assert(G % VL == 0 && (G == 32 || (!kInt4 && G == 16)), "int4 groups are 32, int8 groups 16 or 32");
+  static constexpr int kGroup = G;
+  static constexpr int kVecs = G / VL;
+  static constexpr int kBytes = kInt4 ? G / 2 : G;
+
+  static inline void load(const uint8_t* p, Vec* out) {
+    if constexpr (kInt4) {
+      unpack_int4(p, out);
+    } else {
+      UNROLL
+      for (int j = 0; j < kVecs; ++j) out[j] = unpack_int8(reinterpret_cast<const int8_t*>(p) + j * VL);
     }
   }
 };
 
-// out[r0 + r, n + i] for r < R, i < NR: each weight vector is dequantized once for the R rows of
-// x, and the R x NR accumulators are independent FMA chains.
-template <typename Grp, int R, int NR>
-inline void direct_block(const QuantWeight& w, const float* x, float* out, int64_t n_out, int64_t r0, int64_t n) {
+// y[r][i0 + i] (r < R, i < NR) for R rows of x (row stride k) and the tile's rows i0 .. i0 + NR:
+// the R x NR accumulators are independent FMA chains; each group's integers are widened once for
+// the R rows.
+template <typename I, int R, int NR>
+inline void tile_block(const Tiles& w, const uint8_t* q, const float* scales, int i0, const float* x,
+                       float (*y)[kTileRows]) {
   Vec acc[R][NR];
   UNROLL
   for (int r = 0; r < R; ++r)
     UNROLL
     for (int i = 0; i < NR; ++i) acc[r][i] = Vec(0.f);
   for (int64_t g = 0; g < w.groups; ++g) {
-    Vec wv[NR][Grp::kVecs];
+    const uint8_t* qg = q + g * kTileRows * I::kBytes;
+    const float* sg = scales + g * kTileRows;
+    Vec xv[R][I::kVecs];
     UNROLL
-    for (int i = 0; i < NR; ++i) Grp::load(w, n + i, g, wv[i]);
+    for (int r = 0; r < R; ++r)
+      UNROLL
+      for (int j = 0; j < I::kVecs; ++j) xv[r][j] = Vec::loadu(x + r * w.k + g * I::kGroup + j * VL);
     UNROLL
-    for (int j = 0; j < Grp::kVecs; ++j) {
+    for (int i = 0; i < NR; ++i) {
+      Vec qv[I::kVecs];
+      I::load(qg + (i0 + i) * I::kBytes, qv);
+      const Vec scale(sg[i0 + i]);
       UNROLL
       for (int r = 0; r < R; ++r) {
-        const Vec xv = Vec::loadu(x + (r0 + r) * w.k + g * Grp::kVecs * VL + j * VL);
+        Vec d = qv[0] * xv[r][0];
         UNROLL
-        for (int i = 0; i < NR; ++i) acc[r][i] = at::vec::fmadd(xv, wv[i][j], acc[r][i]);
+        for (int j = 1; j < I::kVecs; ++j) d = at::vec::fmadd(qv[j], xv[r][j], d);
+        acc[r][i] = at::vec::fmadd(d, scale, acc[r][i]);
       }
     }
   }
@@ -141,317 +178,147 @@ inline void direct_block(const QuantWeight& w, const float* x, float* out, int64
   for (int r = 0; r < R; ++r)
     UNROLL
     for (int i = 0; i < NR; ++i)
-      out[(r0 + r) * n_out + n + i] =
-          at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][i]);
+      y[r][i0 + i] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][i]);
 }
 
-// Threads split the output features; within a thread, R rows of x at a time (up to kRowBlock)
-// meet NR weight rows at a time: kernel.template block<R, NR>(r0, n) computes out[r0.., n..].
-template <typename Kernel, int R, int NR>
-void tile_rows(const Kernel& kernel, int64_t r0, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) kernel.template block<R, NR>(r0, n);
-  for (; n < n1; ++n) kernel.template block<R, 1>(r0, n);
+// R rows of x against a whole tile: 4 weight rows at once for up to 2 rows of x, else 2 and 2
+// (R x NR accumulators stay at most 8 of AVX2's 16 registers).
+template <typename I, int R>
+inline void tile_rows(const Tiles& w, const uint8_t* q, const float* scales, const float* x, float (*y)[kTileRows]) {
+  if constexpr (R <= 2) {
+    tile_block<I, R, kTileRows>(w, q, scales, 0, x, y);
+  } else {
+    tile_block<I, R, kTileRows / 2>(w, q, scales, 0, x, y);
+    tile_block<I, R, kTileRows / 2>(w, q, scales, kTileRows / 2, x, y);
+  }
 }
 
-template <typename Kernel>
-void tiled(const Kernel& kernel, int64_t m, int64_t n_out, int64_t k) {
-  const int64_t grain = std::max<int64_t>(8, 16384 / k);
-  at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < m; r += kRowBlock) {
-      switch (std::min<int64_t>(kRowBlock, m - r)) {
-        case 4: tile_rows<Kernel, 4, 2>(kernel, r, n0, n1); break;
-        case 3: tile_rows<Kernel, 3, 2>(kernel, r, n0, n1); break;
-        case 2: tile_rows<Kernel, 2, 4>(kernel, r, n0, n1); break;
-        default: tile_rows<Kernel, 1, 4>(kernel, r, n0, n1); break;
+// y[i] += sum_g mins[g][i] * xsums[g][i] for a tile's rows i, as products of two runs of floats
+// (the min's contribution: min * the sum of x over the group).
+inline void add_mins(const float* mins, const float* xsums, int64_t count, float* y) {
+  static_assert(VL % kTileRows == 0, "a vector holds whole groups");
+  Vec acc[2] = {Vec(0.f), Vec(0.f)};
+  int64_t i = 0;
+  for (; i + 2 * VL <= count; i += 2 * VL)
+    UNROLL
+    for (int h = 0; h < 2; ++h) acc[h] = at::vec::fmadd(Vec::loadu(mins + i + h * VL), Vec::loadu(xsums + i + h * VL), acc[h]);
+  for (; i < count; i += VL) {
+    const int n = static_cast<int>(std::min<int64_t>(VL, count - i));
+    acc[0] = at::vec::fmadd(Vec::loadu(mins + i, n), Vec::loadu(xsums + i, n), acc[0]);
+  }
+  float lanes[VL];
+  (acc[0] + acc[1]).store(lanes);
+  for (int l = 0; l < VL; ++l) y[l % kTileRows] += lanes[l];
+}
+
+template <typename I>
+void registers(const Tiles& w, const float* x, int64_t m, float* out) {
+  // x's sum over each group, kTileRows times over (the layout of a tile's mins), for add_mins
+  std::vector<float> xsums(w.has_mins ? m * w.scale_count() : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(xsums.size()) / kTileRows; ++i)
+    std::fill_n(xsums.data() + i * kTileRows, kTileRows,
+                at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x + i * I::kGroup, I::kGroup));
+  const int64_t grain = std::max<int64_t>(2, 4096 / w.k);
+  at::parallel_for(0, w.tiles, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(2 * w.scale_count());
+    float y[kRowBlock][kTileRows];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = w.tile(t);
+      const TileScales s(w, tile, buf.data());
+      const uint8_t* q = w.ints(tile);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+        const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
+        const float* xr = x + r0 * w.k;
+        switch (rows) {
+          case 4: tile_rows<I, 4>(w, q, s.scales, xr, y); break;
+          case 3: tile_rows<I, 3>(w, q, s.scales, xr, y); break;
+          case 2: tile_rows<I, 2>(w, q, s.scales, xr, y); break;
+          default: tile_rows<I, 1>(w, q, s.scales, xr, y); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          if (s.mins) add_mins(s.mins, xsums.data() + (r0 + r) * w.scale_count(), w.scale_count(), y[r]);
+          for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i) out[(r0 + r) * w.n + t * kTileRows + i] = y[r][i];
+        }
       }
     }
   });
 }
 
-template <typename Grp>
-struct Direct {
-  const QuantWeight& w;
-  const float* x;
-  float* out;
-  int64_t n_out;
-  template <int R, int NR>
-  void block(int64_t r0, int64_t n) const { direct_block<Grp, R, NR>(w, x, out, n_out, r0, n); }
-};
-
 // Chunks of weight rows dequantized (in parallel) into scratch of about kChunkBytes, each then
 // multiplied in x's dtype (bf16 GEMMs for bf16 x) by one at::mm, which spreads over the threads.
-template <typename Grp>
-at::Tensor dense_chunks(const QuantWeight& w, const at::Tensor& x, int64_t n_out) {
-  const int64_t chunk = std::min(n_out, std::max<int64_t>(64, kChunkBytes / (w.k * 4) / 64 * 64));
-  at::Tensor out = at::empty({x.size(0), n_out}, x.options());
-  at::Tensor scratch = at::empty({chunk, w.k}, x.options().dtype(at::kFloat));
+template <typename I>
+at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
+  const int64_t chunk = std::min(w.tiles, std::max<int64_t>(16, kChunkBytes / (w.k * 4 * kTileRows)));
+  at::Tensor out = at::empty({x.size(0), w.n}, x.options());
+  at::Tensor scratch = at::empty({chunk * kTileRows, w.k}, x.options().dtype(at::kFloat));
   float* buf = scratch.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < n_out; n0 += chunk) {
-    const int64_t rows = std::min(chunk, n_out - n0);
-    at::parallel_for(0, rows, 16, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t g = 0; g < w.groups; ++g) {
-          Vec wv[Grp::kVecs];
-          Grp::load(w, n0 + i, g, wv);
-          UNROLL
-          for (int j = 0; j < Grp::kVecs; ++j) wv[j].store(buf + i * w.k + (g * Grp::kVecs + j) * VL);
+  for (int64_t t0 = 0; t0 < w.tiles; t0 += chunk) {
+    const int64_t tiles = std::min(chunk, w.tiles - t0), rows = std::min(tiles * kTileRows, w.n - t0 * kTileRows);
+    at::parallel_for(0, tiles, 4, [&](int64_t i0, int64_t i1) {
+      std::vector<float> sbuf(2 * w.scale_count());
+      for (int64_t t = i0; t < i1; ++t) {
+        const uint8_t* tile = w.tile(t0 + t);
+        const TileScales s(w, tile, sbuf.data());
+        const uint8_t* q = w.ints(tile);
+        for (int i = 0; i < kTileRows; ++i) {
+          float* row = buf + (t * kTileRows + i) * w.k;
+          for (int64_t g = 0; g < w.groups; ++g) {
+            Vec wv[I::kVecs];
+            I::load(q + (g * kTileRows + i) * I::kBytes, wv);
+            const Vec scale(s.scales[g * kTileRows + i]), min(s.mins ? s.mins[g * kTileRows + i] : 0.f);
+            UNROLL
+            for (int j = 0; j < I::kVecs; ++j) at::vec::fmadd(wv[j], scale, min).store(row + g * I::kGroup + j * VL);
+          }
         }
       }
     });
-    out.narrow(1, n0, rows).copy_(at::mm(x, scratch.narrow(0, 0, rows).to(x.scalar_type()).t()));
+    out.narrow(1, t0 * kTileRows, rows).copy_(at::mm(x, scratch.narrow(0, 0, rows).to(x.scalar_type()).t()));
   }
   return out;
 }
 
-// ---- int8 activations ----------------------------------------------------------------------
-constexpr int kQ8Block = 32;   // inputs of x per int8 scale
-
-// x quantized per row and block of 32: q [m, k] int8, d [m, k / 32] scales, sums [m, k / G] the
-// fp32 sums of x over each weight group (for the mins).
-struct QuantX {
-  std::vector<int8_t> q;
-  std::vector<float> d, sums;
-  int64_t k, blocks, groups;
-};
-
-inline void quantize_row(const float* x, int64_t k, int group, int8_t* q, float* d, float* sums) {
-  for (int64_t b = 0; b < k / kQ8Block; ++b) {
-    const float* xb = x + b * kQ8Block;
-    Vec v[kQ8Block / VL];
-    Vec amax(0.f);
-    UNROLL
-    for (int j = 0; j < kQ8Block / VL; ++j) {
-      v[j] = Vec::loadu(xb + j * VL);
-      amax = at::vec::maximum(amax, v[j].abs());
-    }
-    const float a = at::vec::vec_reduce_all<float>([](Vec& p, Vec& r) { return at::vec::maximum(p, r); }, amax);
-    const float db = a / 127.f, id = db != 0.f ? 1.f / db : 0.f;
-    d[b] = db;
-    float r[kQ8Block];
-    UNROLL
-    for (int j = 0; j < kQ8Block / VL; ++j) (v[j] * Vec(id)).round().store(r + j * VL);
-    UNROLL
-    for (int i = 0; i < kQ8Block; ++i) q[b * kQ8Block + i] = static_cast<int8_t>(r[i]);
-  }
-  for (int64_t g = 0; g < k / group; ++g) {
-    const float* xg = x + g * group;
-    sums[g] = at::vec::reduce_all<float>([](Vec& p, Vec& r) { return p + r; }, xg, group);
-  }
-}
-
-QuantX quantize_x(const float* x, int64_t m, int64_t k, int group, bool with_sums) {
-  QuantX xq{std::vector<int8_t>(m * k), std::vector<float>(m * (k / kQ8Block)),
-            std::vector<float>(with_sums ? m * (k / group) : 0), k, k / kQ8Block, k / group};
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      std::vector<float> scratch(with_sums ? 0 : xq.groups);
-      float* sums = with_sums ? xq.sums.data() + r * xq.groups : scratch.data();
-      quantize_row(x + r * k, k, group, xq.q.data() + r * k, xq.d.data() + r * xq.blocks, sums);
-    }
-  });
-  return xq;
-}
-
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-using I8x32 = __m256i;   // one block of 32 bytes
-using F32x8 = __m256;    // 8 partial sums
-
-inline I8x32 load_i8x32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-// 16 packed bytes as 32 values 0..15 in input order: low nibbles, then high
-inline I8x32 load_int4(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), lo4 = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), _mm_and_si128(b, lo4));
-}
-inline I8x32 abs_i8(I8x32 w) { return _mm256_sign_epi8(w, w); }
-inline I8x32 sign_i8(I8x32 x, I8x32 w) { return _mm256_sign_epi8(x, w); }   // x * sign(w)
-// unsigned u times signed s: 8 int32 sums of 4 products (sums 0-3 cover bytes 0-15)
-inline __m256i dot_us(I8x32 u, I8x32 s) {
-#if defined(KAITEN_VNNI)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-inline F32x8 f32x8_zero() { return _mm256_setzero_ps(); }
-// the scale of each of dot's sums: s_lo for sums 0-3, s_hi for 4-7
-inline F32x8 scale2(float s_lo, float s_hi) { return _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo)); }
-inline F32x8 scale1(float s) { return _mm256_set1_ps(s); }
-inline F32x8 mul(F32x8 a, F32x8 b) { return _mm256_mul_ps(a, b); }
-inline F32x8 fma_dot(__m256i dot, F32x8 scale, F32x8 acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc); }
-inline float reduce_f32x8(F32x8 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-#else
-struct I8x32 { int16_t v[32]; };   // unsigned or signed bytes, widened
-struct F32x8 { float v[8]; };
-struct I32x8 { int32_t v[8]; };
-
-inline I8x32 load_i8x32(const void* p) {
-  I8x32 r;
-  for (int i = 0; i < 32; ++i) r.v[i] = static_cast<const int8_t*>(p)[i];
-  return r;
-}
-inline I8x32 load_int4(const uint8_t* p) {
-  I8x32 r;
-  for (int i = 0; i < 16; ++i) r.v[i] = p[i] & 0x0F, r.v[i + 16] = p[i] >> 4;
-  return r;
-}
-inline I8x32 abs_i8(I8x32 w) {
-  for (auto& e : w.v) e = static_cast<int16_t>(e < 0 ? -e : e);
-  return w;
-}
-inline I8x32 sign_i8(I8x32 x, I8x32 w) {
-  for (int i = 0; i < 32; ++i) x.v[i] = static_cast<int16_t>(w.v[i] < 0 ? -x.v[i] : w.v[i] == 0 ? 0 : x.v[i]);
-  return x;
-}
-inline I32x8 dot_us(I8x32 u, I8x32 s) {
-  I32x8 r{};
-  for (int i = 0; i < 32; ++i) r.v[i / 4] += u.v[i] * s.v[i];
-  return r;
-}
-inline F32x8 f32x8_zero() { return F32x8{}; }
-inline F32x8 scale2(float s_lo, float s_hi) { return F32x8{{s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi}}; }
-inline F32x8 scale1(float s) { return scale2(s, s); }
-inline F32x8 mul(F32x8 a, F32x8 b) {
-  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
-  return a;
-}
-inline F32x8 fma_dot(I32x8 dot, F32x8 scale, F32x8 acc) {
-  for (int i = 0; i < 8; ++i) acc.v[i] += static_cast<float>(dot.v[i]) * scale.v[i];
-  return acc;
-}
-inline float reduce_f32x8(F32x8 v) {
-  float s = 0.f;
-  for (float e : v.v) s += e;
-  return s;
-}
-#endif
-
-// A block of 32 weights of a row as the unsigned operand of dot_us (int4: 0..15; int8: |w|,
-// with x's signs flipped where w < 0), and its scales.
-template <bool kInt4, int G>
-struct Q8Weights {
-  static_assert(G == 32 || (!kInt4 && G == 16), "int4 groups are 32, int8 groups 16 or 32");
-  I8x32 u, w;
-
-  inline void load(const QuantWeight& wt, int64_t n, int64_t b) {
-    const uint8_t* row = wt.q + n * wt.row_bytes;
-    if constexpr (kInt4) {
-      u = load_int4(row + b * kQ8Block / 2);
-    } else {
-      w = load_i8x32(row + b * kQ8Block);
-      u = abs_i8(w);
-    }
-  }
-  inline I8x32 signed_x(I8x32 x) const {
-    if constexpr (kInt4) return x; else return sign_i8(x, w);
-  }
-  // block b's scale (one group of 32; or two of 16, for the halves)
-  static inline F32x8 scale(const QuantWeight& wt, int64_t n, int64_t b) {
-    const float* s = wt.scales + n * wt.groups;
-    if constexpr (G == 32) return scale1(s[b]); else return scale2(s[2 * b], s[2 * b + 1]);
-  }
-};
-
-// out[r0 + r, n + i] for r < R, i < NR: each block of weights is loaded once for the R rows of x
-// and each block of x once for the NR weight rows.
-template <typename W, int R, int NR>
-inline void q8_block(const QuantWeight& w, const QuantX& x, float* out, int64_t n_out, int64_t r0, int64_t n) {
-  F32x8 acc[R][NR];
-  UNROLL
-  for (int r = 0; r < R; ++r)
-    UNROLL
-    for (int i = 0; i < NR; ++i) acc[r][i] = f32x8_zero();
-  for (int64_t b = 0; b < x.blocks; ++b) {
-    W wb[NR];
-    F32x8 ws[NR];
-    UNROLL
-    for (int i = 0; i < NR; ++i) wb[i].load(w, n + i, b), ws[i] = W::scale(w, n + i, b);
-    UNROLL
-    for (int r = 0; r < R; ++r) {
-      const I8x32 xv = load_i8x32(x.q.data() + (r0 + r) * x.k + b * kQ8Block);
-      const F32x8 d = scale1(x.d[(r0 + r) * x.blocks + b]);
-      UNROLL
-      for (int i = 0; i < NR; ++i) acc[r][i] = fma_dot(dot_us(wb[i].u, wb[i].signed_x(xv)), mul(ws[i], d), acc[r][i]);
-    }
-  }
-  UNROLL
-  for (int r = 0; r < R; ++r)
-    UNROLL
-    for (int i = 0; i < NR; ++i) {
-      float y = reduce_f32x8(acc[r][i]);
-      if (w.mins) {
-        const float* mins = w.mins + (n + i) * w.groups;
-        const float* sums = x.sums.data() + (r0 + r) * x.groups;
-        for (int64_t g = 0; g < w.groups; ++g) y += mins[g] * sums[g];
-      }
-      out[(r0 + r) * n_out + n + i] = y;
-    }
-}
-
-template <typename W>
-struct Q8 {
-  const QuantWeight& w;
-  const QuantX& x;
-  float* out;
-  int64_t n_out;
-  template <int R, int NR>
-  void block(int64_t r0, int64_t n) const { q8_block<W, R, NR>(w, x, out, n_out, r0, n); }
-};
-
-template <bool kInt4, int G>
-at::Tensor run(const QuantWeight& w, const at::Tensor& x, int64_t n_out, int64_t max_int8_rows,
-               int64_t min_dense_rows) {
-  const int64_t m = x.size(0);
-  if (m >= min_dense_rows) return dense_chunks<Group<kInt4, G>>(w, x, n_out);
+template <typename I>
+at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows) {
+  if (x.size(0) >= min_dense_rows) return dense_chunks<I>(w, x);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({m, n_out}, xf.options());
-  if (m <= max_int8_rows && w.k % kQ8Block == 0) {
-    const QuantX xq = quantize_x(xf.data_ptr<float>(), m, w.k, G, w.mins != nullptr);
-    tiled(Q8<Q8Weights<kInt4, G>>{w, xq, out.data_ptr<float>(), n_out}, m, n_out, w.k);
-  } else {
-    tiled(Direct<Group<kInt4, G>>{w, xf.data_ptr<float>(), out.data_ptr<float>(), n_out}, m, n_out, w.k);
-  }
+  at::Tensor out = at::empty({x.size(0), w.n}, xf.options());
+  registers<I>(w, xf.data_ptr<float>(), x.size(0), out.data_ptr<float>());
   return out.to(x.scalar_type());
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t max_int8_rows, int64_t min_dense_rows) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "quant_linear: qweight must be a contiguous matrix");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "quant_linear: scales must be fp32");
-  const bool int4 = qweight.scalar_type() == at::kByte;
-  TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "quant_linear: qweight must be uint8 (int4) or int8");
-  const int64_t n_out = qweight.size(0), k = int4 ? 2 * qweight.size(1) : qweight.size(1);
-  TORCH_CHECK(x.size(-1) == k, "quant_linear: x has ", x.size(-1), " features, the weight ", k);
-  TORCH_CHECK(scales.size(0) == n_out && k % scales.size(1) == 0, "quant_linear: scales do not match the weight");
-  const int64_t group = k / scales.size(1);
-  TORCH_CHECK(!int4 || mins.has_value(), "quant_linear: int4 weights need mins");
-  if (mins) TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat && mins->is_contiguous(),
-                        "quant_linear: mins must match scales");
-  const QuantWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
-                      mins ? mins->data_ptr<float>() : nullptr, k, scales.size(1), qweight.size(1)};
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n, int64_t k, int64_t bits,
+                        int64_t group, bool has_mins, int64_t min_dense_rows) {
+  TORCH_CHECK(tiles.dim() == 2 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte,
+              "quant_linear: tiles must be a contiguous uint8 matrix");
+  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 16 || group == 32)),
+              "quant_linear: unsupported format: ", bits, "-bit groups of ", group);
+  TORCH_CHECK(k > 0 && k % group == 0 && x.size(-1) == k, "quant_linear: x has ", x.size(-1), " features, the weight ", k);
+  const int64_t groups = k / group, tile_count = (n + kTileRows - 1) / kTileRows;
+  TORCH_CHECK(tiles.size(0) == tile_count, "quant_linear: ", tiles.size(0), " tiles for ", n, " rows");
+  // tile bytes = groups * kTileRows * (integer bytes + scale bytes * (1 + has_mins))
+  const int64_t per = tiles.size(1) / (groups * kTileRows) - group * bits / 8;
+  const int64_t scale_bytes = per / (has_mins ? 2 : 1);
+  TORCH_CHECK(tiles.size(1) % (groups * kTileRows) == 0 && (scale_bytes == 2 || scale_bytes == 4) &&
+                  per == scale_bytes * (has_mins ? 2 : 1),
+              "quant_linear: tiles of ", tiles.size(1), " bytes do not match the format");
+  const Tiles w{tiles.data_ptr<uint8_t>(), n, k, groups, tile_count, tiles.size(1), static_cast<int>(scale_bytes), has_mins};
   const at::Tensor x2 = x.reshape({-1, k});
   at::Tensor out;
-  if (int4 && group == kInt4Group)
-    out = run<true, kInt4Group>(w, x2, n_out, max_int8_rows, min_dense_rows);
-  else if (!int4 && group == 32)
-    out = run<false, 32>(w, x2, n_out, max_int8_rows, min_dense_rows);
-  else if (!int4 && group == 16)
-    out = run<false, 16>(w, x2, n_out, max_int8_rows, min_dense_rows);
+  if (bits == 4)
+    out = run<Ints<true, 32>>(w, x2, min_dense_rows);
+  else if (group == 32)
+    out = run<Ints<false, 32>>(w, x2, min_dense_rows);
   else
-    TORCH_CHECK(false, "quant_linear: unsupported group size ", group);
+    out = run<Ints<false, 16>>(w, x2, min_dense_rows);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n_out;
+  shape.back() = n;
   return out.view(shape);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kaiten_cpu, m) {
-  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int max_int8_rows, int min_dense_rows) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor tiles, int n, int k, int bits, int group, bool has_mins, int min_dense_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kaiten_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }
