@@ -2,7 +2,7 @@
 
 Liveness: while it runs, the gateway keeps ``names.gateway_alive_key(gateway_id)`` set with a TTL
 of ``GATEWAY_ALIVE_TTL_S`` (refreshed every third of it by gateway/backend/alive.py's thread, and SET in the
-same pipeline as every XADD), and deletes it on a clean stop; engines abort the requests of a
+same pipeline as every XADD), and AliveKey deletes it, on its own connection, on a clean stop; engines abort the requests of a
 gateway whose key is gone.
 Its Redis commands share a bounded pool (``redis_max_connections``): under load they wait for a
 free connection instead of opening more.
@@ -169,11 +169,6 @@ class Gateway:
             await self.router.close()
         if self.alive is not None:
             await asyncio.to_thread(self.alive.stop)
-        if self.redis is not None:
-            try:
-                await asyncio.wait_for(self.redis.delete(self.alive_key), 2.0)
-            except Exception:       # Redis down: the key expires on its own
-                pass
         for client, own in ((self.sub_redis, True), (self.redis, self._own_redis)):
             if client is not None and own:
                 try:

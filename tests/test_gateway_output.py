@@ -262,6 +262,7 @@ def test_liveness_key_and_bounded_pool(redis_server, tiny_model_dir):
     finally:
         srv.stop()
         eng.stop()
+    assert not srv.thread.is_alive(), "the gateway did not stop within 15 s"
     assert not r.exists(key)                          # deleted on a clean stop
 
 
@@ -273,7 +274,7 @@ def test_liveness_key_expires_without_refresh(redis_server, tiny_model_dir):
         key = names.gateway_alive_key(srv.gw.gateway_id)
         assert r.exists(key)
         # A gateway that stops refreshing (hung, killed): the key is gone within the TTL.
-        srv.gw.alive.stop()
+        srv.gw.alive.stop_refreshing()
         assert wait_until(lambda: not r.exists(key), timeout=names.GATEWAY_ALIVE_TTL_S + 1.0)
     finally:
         srv.stop()

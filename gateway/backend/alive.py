@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from shared import names
 from shared.redis_conn import redis_client
@@ -45,9 +46,25 @@ class AliveKey:
         while not self._stop.wait(period if ok else period / 4):
             ok = self.set()
 
-    def stop(self) -> None:
-        """Stop refreshing (the key then expires unless the gateway deletes it)."""
+    def stop_refreshing(self) -> None:
+        """Stop the thread (the key then expires within the TTL unless deleted)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2.0)
+
+    def stop(self, wait_s: float = 2.0) -> None:
+        """Stop refreshing and delete the key, on this connection, after the thread's last SET (engines
+        then abort this gateway's requests at once); retried for up to wait_s, then it expires."""
+        self.stop_refreshing()
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.r.delete(self.key)
+                break
+            except Exception as e:
+                if time.monotonic() >= deadline:
+                    log.warning("liveness key not deleted (it expires within %.1f s): %s: %s",
+                                names.GATEWAY_ALIVE_TTL_S, type(e).__name__, e)
+                    break
+                time.sleep(0.1)
         self.r.close()
