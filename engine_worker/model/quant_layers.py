@@ -15,14 +15,15 @@ from engine_worker.model.quant_tiles import dequantize, to_tiles
 from shared.gguf_quant import PackedWeight
 
 # Rows of x from which quant_linear dequantizes chunks for at::mm, by x's dtype (the dense GEMM's
-# speed is the dtype's). bf16: bench/quant_linear.py on a 2-core EPYC with AVX512-BF16,
-# SmolLM2-135M's shapes: in registers ahead at 16 rows, the dense GEMM at 32
-# (bench/results/quant_linear_bfloat16.md). fp32: min of 5-11 rounds, 1 thread (the machine had a
-# load of 7-13 on 2 cores), AVX2 EPYC, bench/quant_linear.py's shapes and methods, dense
-# time / this time: int4 registers 1.4-3.6x at 24 rows, 0.9-1.1x at 48-64, dense ahead from 96
-# (0.6-0.9x); int8 weights 1.2-1.6x at 24, 1.0-1.35x at 48-64, dense ahead from 96-128 (measured
-# before the tiled layout, with the int8-activation method it replaced).
-MIN_DENSE_ROWS = {torch.bfloat16: 24, torch.float32: 64}
+# speed is the dtype's). bf16: 2-core Zen 4 EPYC with AVX512-BF16, 2 threads, Q4_1 at SmolLM2-135M's
+# shapes (30 layers' projections), interleaved medians, dense time / register time: 1.55x at 32
+# rows, 0.87x at 48, 0.72x at 64 (the output layer: 0.99x at 32, 0.86x at 48). fp32: min of 5-11
+# rounds, 1 thread (the machine had a load of 7-13 on 2 cores), AVX2 EPYC, bench/quant_linear.py's
+# shapes and methods, dense time / this time: int4 registers 1.4-3.6x at 24 rows, 0.9-1.1x at
+# 48-64, dense ahead from 96 (0.6-0.9x); int8 weights 1.2-1.6x at 24, 1.0-1.35x at 48-64, dense
+# ahead from 96-128 (measured before the tiled layout, with the int8-activation method it replaced;
+# on the Zen 4 the tiled fp32 registers were still ahead at 64-128 rows: 1.25-1.9x).
+MIN_DENSE_ROWS = {torch.bfloat16: 48, torch.float32: 64}
 
 
 class QuantLinear(nn.Module):
@@ -41,7 +42,7 @@ class QuantLinear(nn.Module):
         return "int4" if self.fmt.bits == 4 else "int8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 24))
+        return torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 48))
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in fp32, computed as gguf's dequantizer does."""

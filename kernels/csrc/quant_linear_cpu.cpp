@@ -13,10 +13,11 @@
 // * m >= min_dense_rows (prefill, large decode batches): chunks of weight rows are dequantized
 //   into scratch and multiplied in x's dtype by at::mm (oneDNN/MKL), whose blocked GEMM is faster
 //   once a dequantized weight is reused by enough rows.
-// * else in fp32 registers, with x exact: per group, the dot product of x with the stored
+// * else in fp32 registers, with x exact, up to 4 rows of x meeting a tile while it is in L1 (its
+//   scales widened once for them). With few rows, per group, the dot product of x with the stored
 //   integers (widened to fp32) is scaled once: y = sum_g scale_g * (x_g . q_g) + sum_g min_g *
-//   sum(x_g), the second from x's group sums, computed once per call. A tile's scales are widened
-//   once for all the rows of x, which meet the tile while it is in L1.
+//   sum(x_g), the second from x's group sums, computed once per call; with more rows than a
+//   group has vectors, the group is dequantized first (fewer FMAs, kDequantFirst).
 // Threads split the tiles.
 //
 // One source for AVX-512 and AVX2 (at::vec::Vectorized<float>, with the byte unpacking in the
@@ -141,11 +142,18 @@ struct Ints {
   }
 };
 
+// Dequantizing first pays once a group's integers meet more rows of x than the group has vectors:
+// per weight row and group, scaling each dot once costs R * (kVecs + 1) FMAs, dequantizing
+// first kVecs + R * kVecs (and takes the min in the same FMA).
+template <typename I, int R>
+constexpr bool kDequantFirst = R > I::kVecs;
+
 // y[r][i0 + i] (r < R, i < NR) for R rows of x (row stride k) and the tile's rows i0 .. i0 + NR:
 // the R x NR accumulators are independent FMA chains; each group's integers are widened once for
-// the R rows.
+// the R rows, and scaled per dot (plus the mins from add_mins) or dequantized first with the mins
+// (kDequantFirst).
 template <typename I, int R, int NR>
-inline void tile_block(const Tiles& w, const uint8_t* q, const float* scales, int i0, const float* x,
+inline void tile_block(const Tiles& w, const uint8_t* q, const TileScales& s, int i0, const float* x,
                        float (*y)[kTileRows]) {
   Vec acc[R][NR];
   UNROLL
@@ -154,7 +162,7 @@ inline void tile_block(const Tiles& w, const uint8_t* q, const float* scales, in
     for (int i = 0; i < NR; ++i) acc[r][i] = Vec(0.f);
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* qg = q + g * kTileRows * I::kBytes;
-    const float* sg = scales + g * kTileRows;
+    const float* sg = s.scales + g * kTileRows;
     Vec xv[R][I::kVecs];
     UNROLL
     for (int r = 0; r < R; ++r)
@@ -165,12 +173,22 @@ inline void tile_block(const Tiles& w, const uint8_t* q, const float* scales, in
       Vec qv[I::kVecs];
       I::load(qg + (i0 + i) * I::kBytes, qv);
       const Vec scale(sg[i0 + i]);
-      UNROLL
-      for (int r = 0; r < R; ++r) {
-        Vec d = qv[0] * xv[r][0];
+      if constexpr (kDequantFirst<I, R>) {
+        const Vec min(s.mins ? s.mins[g * kTileRows + i0 + i] : 0.f);
         UNROLL
-        for (int j = 1; j < I::kVecs; ++j) d = at::vec::fmadd(qv[j], xv[r][j], d);
-        acc[r][i] = at::vec::fmadd(d, scale, acc[r][i]);
+        for (int j = 0; j < I::kVecs; ++j) qv[j] = at::vec::fmadd(qv[j], scale, min);
+        UNROLL
+        for (int r = 0; r < R; ++r)
+          UNROLL
+          for (int j = 0; j < I::kVecs; ++j) acc[r][i] = at::vec::fmadd(qv[j], xv[r][j], acc[r][i]);
+      } else {
+        UNROLL
+        for (int r = 0; r < R; ++r) {
+          Vec d = qv[0] * xv[r][0];
+          UNROLL
+          for (int j = 1; j < I::kVecs; ++j) d = at::vec::fmadd(qv[j], xv[r][j], d);
+          acc[r][i] = at::vec::fmadd(d, scale, acc[r][i]);
+        }
       }
     }
   }
@@ -179,18 +197,6 @@ inline void tile_block(const Tiles& w, const uint8_t* q, const float* scales, in
     UNROLL
     for (int i = 0; i < NR; ++i)
       y[r][i0 + i] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][i]);
-}
-
-// R rows of x against a whole tile: 4 weight rows at once for up to 2 rows of x, else 2 and 2
-// (R x NR accumulators stay at most 8 of AVX2's 16 registers).
-template <typename I, int R>
-inline void tile_rows(const Tiles& w, const uint8_t* q, const float* scales, const float* x, float (*y)[kTileRows]) {
-  if constexpr (R <= 2) {
-    tile_block<I, R, kTileRows>(w, q, scales, 0, x, y);
-  } else {
-    tile_block<I, R, kTileRows / 2>(w, q, scales, 0, x, y);
-    tile_block<I, R, kTileRows / 2>(w, q, scales, kTileRows / 2, x, y);
-  }
 }
 
 // y[i] += sum_g mins[g][i] * xsums[g][i] for a tile's rows i, as products of two runs of floats
@@ -211,6 +217,23 @@ inline void add_mins(const float* mins, const float* xsums, int64_t count, float
   for (int l = 0; l < VL; ++l) y[l % kTileRows] += lanes[l];
 }
 
+// R rows of x against a whole tile, into y[r][0 .. kTileRows): 4 weight rows at once where the
+// R x 4 accumulators and R rows' x vectors fit the registers (AVX-512's 32; AVX2's 16 up to 2 rows
+// of x), else 2 and 2; then the mins, unless dequantizing first took them. xsums: add_mins's, per row of x.
+template <typename I, int R>
+inline void tile_rows(const Tiles& w, const uint8_t* q, const TileScales& s, const float* x, const float* xsums,
+                      float (*y)[kTileRows]) {
+  if constexpr (R <= 2 || VL == 16) {
+    tile_block<I, R, kTileRows>(w, q, s, 0, x, y);
+  } else {
+    tile_block<I, R, kTileRows / 2>(w, q, s, 0, x, y);
+    tile_block<I, R, kTileRows / 2>(w, q, s, kTileRows / 2, x, y);
+  }
+  if constexpr (!kDequantFirst<I, R>)
+    if (s.mins)
+      for (int r = 0; r < R; ++r) add_mins(s.mins, xsums + r * w.scale_count(), w.scale_count(), y[r]);
+}
+
 template <typename I>
 void registers(const Tiles& w, const float* x, int64_t m, float* out) {
   // x's sum over each group, kTileRows times over (the layout of a tile's mins), for add_mins
@@ -229,16 +252,15 @@ void registers(const Tiles& w, const float* x, int64_t m, float* out) {
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
         const float* xr = x + r0 * w.k;
+        const float* xs = w.has_mins ? xsums.data() + r0 * w.scale_count() : nullptr;
         switch (rows) {
-          case 4: tile_rows<I, 4>(w, q, s.scales, xr, y); break;
-          case 3: tile_rows<I, 3>(w, q, s.scales, xr, y); break;
-          case 2: tile_rows<I, 2>(w, q, s.scales, xr, y); break;
-          default: tile_rows<I, 1>(w, q, s.scales, xr, y); break;
+          case 4: tile_rows<I, 4>(w, q, s, xr, xs, y); break;
+          case 3: tile_rows<I, 3>(w, q, s, xr, xs, y); break;
+          case 2: tile_rows<I, 2>(w, q, s, xr, xs, y); break;
+          default: tile_rows<I, 1>(w, q, s, xr, xs, y); break;
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          if (s.mins) add_mins(s.mins, xsums.data() + (r0 + r) * w.scale_count(), w.scale_count(), y[r]);
+        for (int64_t r = 0; r < rows; ++r)
           for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i) out[(r0 + r) * w.n + t * kTileRows + i] = y[r][i];
-        }
       }
     }
   });
