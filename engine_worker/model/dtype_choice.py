@@ -4,7 +4,8 @@ bf16 halves the bytes of weights and KV cache, but only CPUs with bf16 instructi
 at speed: without AVX512-BF16 torch and oneDNN emulate it, and even with them (Intel without AMX)
 a bf16 GEMM may run slower than an fp32 one. So the choice is measured, not read from the CPU's
 flags: the projections of one layer at the model's shapes, on a few row counts (decode and
-prefill), in each dtype, through the layers the engine would use (oneDNN-packed where supported).
+prefill), in each dtype, through the layers the engine would use (oneDNN-packed where supported),
+on one thread.
 The rates are measured once per CPU model, torch version and shape set, and kept in the cache
 file gemm_rate_cache.json under ~/.cache/kaiten (XDG_CACHE_HOME if set).
 """
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 ROWS = (1, 16, 128)           # a decode step, a small batch, a prefill chunk
-REPEATS = 3
+REPEATS = 7
 # The default model's (SmolLM2-135M) projections (N, K): qkv, o, gate_up, down.
 DEFAULT_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
@@ -55,30 +56,38 @@ def cache_key(shapes) -> str:
                 break
     except OSError:
         pass
-    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads | " + \
-        " ".join(f"{n}x{k}" for n, k in shapes)
+    return f"{cpu} | torch {torch.__version__} | one thread | " + " ".join(f"{n}x{k}" for n, k in shapes)
 
 
 def measure_rates(shapes) -> GemmRates:
-    """GFLOP/s of y = x W^T over `shapes` x ROWS, the median of REPEATS passes, in each dtype."""
+    """GFLOP/s of y = x W^T over `shapes` x ROWS in each dtype: the median of REPEATS passes, the
+    dtypes' passes alternating (drift touches both alike), on one thread. The choice is between the
+    core's bf16 and fp32 instructions; a team of threads measured while another process holds a
+    core waits at every barrier (2 threads once measured 10.7 GFLOP/s in both dtypes, where one
+    thread reaches 160 in bf16 and 93 in fp32), and that result would be cached for good."""
     from engine_worker.model.llama import PackedLinear      # llama imports nothing of this module
-    rates = {}
+    passes = {}
     for dtype in (torch.bfloat16, torch.float32):
         packed = PackedLinear.supported(torch.device("cpu"), dtype)
         layers = [PackedLinear(w, None) if packed else (lambda x, w=w: F.linear(x, w))
                   for w in (torch.randn(n, k, dtype=dtype) * 0.02 for n, k in shapes)]
         inputs = [[torch.randn(m, k, dtype=dtype) for m in ROWS] for _, k in shapes]
-        times = []
+        passes[dtype] = lambda layers=layers, inputs=inputs: [layer(x) for layer, xs in zip(layers, inputs) for x in xs]
+    times = {dtype: [] for dtype in passes}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         with torch.inference_mode():
-            for i in range(REPEATS + 1):                        # the first pass warms up
-                t0 = time.perf_counter()
-                for layer, xs in zip(layers, inputs):
-                    for x in xs:
-                        layer(x)
-                if i:
-                    times.append(time.perf_counter() - t0)
-        flops = sum(2 * n * k * m for n, k in shapes for m in ROWS)
-        rates[dtype] = flops / statistics.median(times) / 1e9
+            for i in range(REPEATS + 1):                        # the first round warms up
+                for dtype, one_pass in passes.items():
+                    t0 = time.perf_counter()
+                    one_pass()
+                    if i:
+                        times[dtype].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    flops = sum(2 * n * k * m for n, k in shapes for m in ROWS)
+    rates = {dtype: flops / statistics.median(t) / 1e9 for dtype, t in times.items()}
     return GemmRates(bf16=rates[torch.bfloat16], fp32=rates[torch.float32])
 
 
