@@ -17,7 +17,8 @@ from shared.gguf_quant import PackedWeight
 # Rows of x from which quant_linear dequantizes chunks for at::mm, by x's dtype (the dense GEMM's
 # speed is the dtype's). bf16: 2-core Zen 4 EPYC with AVX512-BF16, 2 threads, Q4_1 at SmolLM2-135M's
 # shapes (30 layers' projections), interleaved medians, dense time / register time: 1.55x at 32
-# rows, 0.87x at 48, 0.72x at 64 (the output layer: 0.99x at 32, 0.86x at 48). fp32: min of 5-11
+# rows, 0.87x at 48, 0.72x at 64 (the output layer: 0.99x at 32, 0.86x at 48); in the engine's
+# B=32 decode step (bench/quant_decode.py) 48 and 24 measured alike, 74.8 and 74.0 ms. fp32: min of 5-11
 # rounds, 1 thread (the machine had a load of 7-13 on 2 cores), AVX2 EPYC, bench/quant_linear.py's
 # shapes and methods, dense time / this time: int4 registers 1.4-3.6x at 24 rows, 0.9-1.1x at
 # 48-64, dense ahead from 96 (0.6-0.9x); int8 weights 1.2-1.6x at 24, 1.0-1.35x at 48-64, dense
