@@ -48,7 +48,13 @@ def test_cache_lives_under_the_users_cache_dir(tmp_path, monkeypatch):
 
 
 def test_measured_rates_are_real_and_auto_resolves_through_them(tmp_path, monkeypatch):
-    rates = dtype_choice.measure_rates(((64, 32), (32, 64)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rates = dtype_choice.measure_rates(((64, 32), (32, 64)))      # on one thread, then back to 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     assert rates.bf16 > 0 and rates.fp32 > 0
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert resolve_dtype("auto", torch.device("cpu"), ((64, 32),)) in (torch.bfloat16, torch.float32)
