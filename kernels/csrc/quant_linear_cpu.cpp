@@ -142,6 +142,17 @@ struct Ints {
   }
 };
 
+// The weights of row `lane` of a tile in group g, q * scale + min, as I::kVecs fp32 vectors; q: the
+// tile's integers.
+template <typename I>
+inline void dequantize_group(const uint8_t* q, const TileScales& s, int64_t g, int lane, Vec* out) {
+  const int64_t at = g * kTileRows + lane;
+  I::load(q + at * I::kBytes, out);
+  const Vec scale(s.scales[at]), min(s.mins ? s.mins[at] : 0.f);
+  UNROLL
+  for (int j = 0; j < I::kVecs; ++j) out[j] = at::vec::fmadd(out[j], scale, min);
+}
+
 // Dequantizing first pays once a group's integers meet more rows of x than the group has vectors:
 // per weight row and group, scaling each dot once costs R * (kVecs + 1) FMAs, dequantizing
 // first kVecs + R * kVecs (and takes the min in the same FMA).
@@ -171,17 +182,15 @@ inline void tile_block(const Tiles& w, const uint8_t* q, const TileScales& s, in
     UNROLL
     for (int i = 0; i < NR; ++i) {
       Vec qv[I::kVecs];
-      I::load(qg + (i0 + i) * I::kBytes, qv);
-      const Vec scale(sg[i0 + i]);
       if constexpr (kDequantFirst<I, R>) {
-        const Vec min(s.mins ? s.mins[g * kTileRows + i0 + i] : 0.f);
-        UNROLL
-        for (int j = 0; j < I::kVecs; ++j) qv[j] = at::vec::fmadd(qv[j], scale, min);
+        dequantize_group<I>(q, s, g, i0 + i, qv);
         UNROLL
         for (int r = 0; r < R; ++r)
           UNROLL
           for (int j = 0; j < I::kVecs; ++j) acc[r][i] = at::vec::fmadd(qv[j], xv[r][j], acc[r][i]);
       } else {
+        I::load(qg + (i0 + i) * I::kBytes, qv);
+        const Vec scale(sg[i0 + i]);
         UNROLL
         for (int r = 0; r < R; ++r) {
           Vec d = qv[0] * xv[r][0];
@@ -286,10 +295,9 @@ at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
           float* row = buf + (t * kTileRows + i) * w.k;
           for (int64_t g = 0; g < w.groups; ++g) {
             Vec wv[I::kVecs];
-            I::load(q + (g * kTileRows + i) * I::kBytes, wv);
-            const Vec scale(s.scales[g * kTileRows + i]), min(s.mins ? s.mins[g * kTileRows + i] : 0.f);
+            dequantize_group<I>(q, s, g, i, wv);
             UNROLL
-            for (int j = 0; j < I::kVecs; ++j) at::vec::fmadd(wv[j], scale, min).store(row + g * I::kGroup + j * VL);
+            for (int j = 0; j < I::kVecs; ++j) wv[j].store(row + g * I::kGroup + j * VL);
           }
         }
       }
