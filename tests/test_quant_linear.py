@@ -65,6 +65,21 @@ def test_quant_linear_matches_dequantized_matmul(fmt, n, k, m, method):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("fmt,n,k", CASES)
+@pytest.mark.parametrize("m", [2, 3, 6, 33])
+def test_bf16_activations_within_bf16_rounding(fmt, n, k, m):
+    """bf16 x: with more rows than a group has vectors, an AVX512-BF16 build rounds the dequantized
+    weights to bf16 and multiplies in bf16 dot products summed in fp32, as the dense bf16 GEMM does;
+    both methods stay within 1e-2 of the exact product (of the bf16 x) at the output's scale."""
+    lin = layer(fmt, n, k)
+    x = fresh_x(m, k, m).bfloat16()
+    ref = reference(x.double(), lin)
+    for method in METHODS:
+        out = quant_linear(x, lin, method)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 def test_layer_picks_a_method_by_rows(fmt):
     """QuantLinear multiplies in registers below MIN_DENSE_ROWS and by dense chunks from it; both

@@ -15,16 +15,18 @@ from engine_worker.model.quant_tiles import dequantize, to_tiles
 from shared.gguf_quant import PackedWeight
 
 # Rows of x from which quant_linear dequantizes chunks for at::mm, by x's dtype (the dense GEMM's
-# speed is the dtype's). bf16: 2-core Zen 4 EPYC with AVX512-BF16, 2 threads, Q4_1 at SmolLM2-135M's
-# shapes (30 layers' projections), interleaved medians, dense time / register time: 1.55x at 32
-# rows, 0.87x at 48, 0.72x at 64 (the output layer: 0.99x at 32, 0.86x at 48); in the engine's
-# B=32 decode step (bench/quant_decode.py) 48 and 24 measured alike, 74.8 and 74.0 ms. fp32: min of 5-11
+# speed is the dtype's). bf16: 2-core Zen 5 EPYC with AVX512-BF16, 2 threads, the kernel's bf16 dot
+# products against the dense chunks (dequantize, round to bf16, oneDNN), 30 layers' projections,
+# dense time / register time: Q4_1 1.59x at 32 rows, 1.34x at 64, 1.18x at 96, 1.06x at 128, 0.98-1.02x
+# at 192-512; Q8_0 1.51x at 32, 1.23x at 64, 0.90x at 128. fp32: min of 5-11
 # rounds, 1 thread (the machine had a load of 7-13 on 2 cores), AVX2 EPYC, bench/quant_linear.py's
 # shapes and methods, dense time / this time: int4 registers 1.4-3.6x at 24 rows, 0.9-1.1x at
 # 48-64, dense ahead from 96 (0.6-0.9x); int8 weights 1.2-1.6x at 24, 1.0-1.35x at 48-64, dense
 # ahead from 96-128 (measured before the tiled layout, with the int8-activation method it replaced;
-# on the Zen 4 the tiled fp32 registers were still ahead at 64-128 rows: 1.25-1.9x).
-MIN_DENSE_ROWS = {torch.bfloat16: 48, torch.float32: 64}
+# on the Zen 4 the tiled fp32 registers were still ahead at 64-128 rows: 1.25-1.9x, and on the Zen 5
+# at up to 512 rows, 1.5-2.5x: MKL's fp32 GEMM on AMD; kept at 64 until a CPU with Intel's MKL path
+# is measured).
+MIN_DENSE_ROWS = {torch.bfloat16: 96, torch.float32: 64}
 
 
 class QuantLinear(nn.Module):
@@ -43,7 +45,7 @@ class QuantLinear(nn.Module):
         return "int4" if self.fmt.bits == 4 else "int8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 48))
+        return torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 96))
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in fp32, computed as gguf's dequantizer does."""

@@ -8,8 +8,8 @@
 // as one run, and fp16 scales keep the tensor at the GGUF file's size (20 bytes per 32 int4
 // weights, 34 per 32 int8).
 //
-// Two methods, chosen by the number of rows m of x (threshold from the caller, measured by
-// bench/quant_linear.py):
+// Three methods, chosen by the number of rows m of x and x's dtype (min_dense_rows from the caller,
+// measured by bench/quant_linear.py):
 // * m >= min_dense_rows (prefill, large decode batches): chunks of weight rows are dequantized
 //   into scratch and multiplied in x's dtype by at::mm (oneDNN/MKL), whose blocked GEMM is faster
 //   once a dequantized weight is reused by enough rows.
@@ -18,6 +18,10 @@
 //   integers (widened to fp32) is scaled once: y = sum_g scale_g * (x_g . q_g) + sum_g min_g *
 //   sum(x_g), the second from x's group sums, computed once per call; with more rows than a
 //   group has vectors, the group is dequantized first (fewer FMAs, kDequantFirst).
+// * bf16 x with more rows than a group has vectors, on AVX512-BF16: each tile is dequantized once,
+//   rounded to bf16 (as the dense bf16 GEMM rounds its weights) and kept in L1 scratch for all the
+//   rows of x, multiplied by bf16 dot products (vdpbf16ps: 32 products per instruction, summed in
+//   fp32), twice the multiplies of an fp32 FMA.
 // Threads split the tiles.
 //
 // One source for AVX-512 and AVX2 (at::vec::Vectorized<float>, with the byte unpacking in the
@@ -31,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -153,19 +158,46 @@ inline void dequantize_group(const uint8_t* q, const TileScales& s, int64_t g, i
   for (int j = 0; j < I::kVecs; ++j) out[j] = at::vec::fmadd(out[j], scale, min);
 }
 
-// Dequantizing first pays once a group's integers meet more rows of x than the group has vectors:
-// per weight row and group, scaling each dot once costs R * (kVecs + 1) FMAs, dequantizing
-// first kVecs + R * kVecs (and takes the min in the same FMA).
-template <typename I, int R>
-constexpr bool kDequantFirst = R > I::kVecs;
+// Calls f(R) with R = rows (1 .. kRowBlock) as a compile-time constant.
+template <typename F>
+inline void with_rows(int64_t rows, const F& f) {
+  switch (rows) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
 
-// y[r][i0 + i] (r < R, i < NR) for R rows of x (row stride k) and the tile's rows i0 .. i0 + NR:
-// the R x NR accumulators are independent FMA chains; each group's integers are widened once for
-// the R rows, and scaled per dot (plus the mins from add_mins) or dequantized first with the mins
-// (kDequantFirst).
+// Calls block(NR, i0) over a tile's weight rows: all 4 at once where the R x 4 accumulators and R
+// rows' x vectors fit the registers (AVX-512's 32; AVX2's 16 up to 2 rows of x), else 2 and 2.
+template <int R, typename F>
+inline void over_weight_rows(const F& block) {
+  if constexpr (R <= 2 || VL == 16) {
+    block(std::integral_constant<int, kTileRows>{}, 0);
+  } else {
+    block(std::integral_constant<int, kTileRows / 2>{}, 0);
+    block(std::integral_constant<int, kTileRows / 2>{}, kTileRows / 2);
+  }
+}
+
+template <int R, int NR>
+inline void reduce_into(Vec (&acc)[R][NR], int i0, float (*y)[kTileRows]) {
+  UNROLL
+  for (int r = 0; r < R; ++r)
+    UNROLL
+    for (int i = 0; i < NR; ++i)
+      y[r][i0 + i] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][i]);
+}
+
+// The fp32 blocks: the tile's weight rows i0 .. i0 + NR against R rows of x (row stride k), into
+// y[r][i0 + i], over R x NR independent FMA chains.
+
+// From the stored integers, widened once for the R rows; each group's dot is scaled once (the mins
+// come from add_mins).
 template <typename I, int R, int NR>
-inline void tile_block(const Tiles& w, const uint8_t* q, const TileScales& s, int i0, const float* x,
-                       float (*y)[kTileRows]) {
+inline void scaled_block(const Tiles& w, const uint8_t* q, const TileScales& s, int i0, const float* x,
+                         float (*y)[kTileRows]) {
   Vec acc[R][NR];
   UNROLL
   for (int r = 0; r < R; ++r)
@@ -182,30 +214,52 @@ inline void tile_block(const Tiles& w, const uint8_t* q, const TileScales& s, in
     UNROLL
     for (int i = 0; i < NR; ++i) {
       Vec qv[I::kVecs];
-      if constexpr (kDequantFirst<I, R>) {
-        dequantize_group<I>(q, s, g, i0 + i, qv);
+      I::load(qg + (i0 + i) * I::kBytes, qv);
+      const Vec scale(sg[i0 + i]);
+      UNROLL
+      for (int r = 0; r < R; ++r) {
+        Vec d = qv[0] * xv[r][0];
         UNROLL
-        for (int r = 0; r < R; ++r)
-          UNROLL
-          for (int j = 0; j < I::kVecs; ++j) acc[r][i] = at::vec::fmadd(qv[j], xv[r][j], acc[r][i]);
-      } else {
-        I::load(qg + (i0 + i) * I::kBytes, qv);
-        const Vec scale(sg[i0 + i]);
-        UNROLL
-        for (int r = 0; r < R; ++r) {
-          Vec d = qv[0] * xv[r][0];
-          UNROLL
-          for (int j = 1; j < I::kVecs; ++j) d = at::vec::fmadd(qv[j], xv[r][j], d);
-          acc[r][i] = at::vec::fmadd(d, scale, acc[r][i]);
-        }
+        for (int j = 1; j < I::kVecs; ++j) d = at::vec::fmadd(qv[j], xv[r][j], d);
+        acc[r][i] = at::vec::fmadd(d, scale, acc[r][i]);
       }
     }
   }
+  reduce_into(acc, i0, y);
+}
+
+// Dequantizing first pays once a group's integers meet more rows of x than the group has vectors:
+// per weight row and group, scaling each dot costs R * (kVecs + 1) FMAs, dequantizing first
+// kVecs + R * kVecs (and takes the min in the same FMA).
+template <typename I, int R>
+constexpr bool kDequantFirst = R > I::kVecs;
+
+// Each group dequantized first, the mins with it.
+template <typename I, int R, int NR>
+inline void dequantizing_block(const Tiles& w, const uint8_t* q, const TileScales& s, int i0, const float* x,
+                               float (*y)[kTileRows]) {
+  Vec acc[R][NR];
   UNROLL
   for (int r = 0; r < R; ++r)
     UNROLL
-    for (int i = 0; i < NR; ++i)
-      y[r][i0 + i] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][i]);
+    for (int i = 0; i < NR; ++i) acc[r][i] = Vec(0.f);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    Vec xv[R][I::kVecs];
+    UNROLL
+    for (int r = 0; r < R; ++r)
+      UNROLL
+      for (int j = 0; j < I::kVecs; ++j) xv[r][j] = Vec::loadu(x + r * w.k + g * I::kGroup + j * VL);
+    UNROLL
+    for (int i = 0; i < NR; ++i) {
+      Vec wv[I::kVecs];
+      dequantize_group<I>(q, s, g, i0 + i, wv);
+      UNROLL
+      for (int r = 0; r < R; ++r)
+        UNROLL
+        for (int j = 0; j < I::kVecs; ++j) acc[r][i] = at::vec::fmadd(wv[j], xv[r][j], acc[r][i]);
+    }
+  }
+  reduce_into(acc, i0, y);
 }
 
 // y[i] += sum_g mins[g][i] * xsums[g][i] for a tile's rows i, as products of two runs of floats
@@ -226,53 +280,125 @@ inline void add_mins(const float* mins, const float* xsums, int64_t count, float
   for (int l = 0; l < VL; ++l) y[l % kTileRows] += lanes[l];
 }
 
-// R rows of x against a whole tile, into y[r][0 .. kTileRows): 4 weight rows at once where the
-// R x 4 accumulators and R rows' x vectors fit the registers (AVX-512's 32; AVX2's 16 up to 2 rows
-// of x), else 2 and 2; then the mins, unless dequantizing first took them. xsums: add_mins's, per row of x.
-template <typename I, int R>
-inline void tile_rows(const Tiles& w, const uint8_t* q, const TileScales& s, const float* x, const float* xsums,
-                      float (*y)[kTileRows]) {
-  if constexpr (R <= 2 || VL == 16) {
-    tile_block<I, R, kTileRows>(w, q, s, 0, x, y);
-  } else {
-    tile_block<I, R, kTileRows / 2>(w, q, s, 0, x, y);
-    tile_block<I, R, kTileRows / 2>(w, q, s, kTileRows / 2, x, y);
-  }
-  if constexpr (!kDequantFirst<I, R>)
-    if (s.mins)
-      for (int r = 0; r < R; ++r) add_mins(s.mins, xsums + r * w.scale_count(), w.scale_count(), y[r]);
-}
-
-template <typename I>
-void registers(const Tiles& w, const float* x, int64_t m, float* out) {
-  // x's sum over each group, kTileRows times over (the layout of a tile's mins), for add_mins
-  std::vector<float> xsums(w.has_mins ? m * w.scale_count() : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(xsums.size()) / kTileRows; ++i)
-    std::fill_n(xsums.data() + i * kTileRows, kTileRows,
-                at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x + i * I::kGroup, I::kGroup));
+// Threads split the tiles; a thread meets each of its tiles with all m rows of x, kRowBlock rows at
+// a time: block(s, q, wt, r0, rows, y) fills y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows from
+// the tile's scales s and integers q; wt: the thread's scratch of `scratch` Ts, or nullptr.
+template <typename T, typename Block>
+void over_tiles(const Tiles& w, int64_t m, int64_t scratch, float* out, const Block& block) {
   const int64_t grain = std::max<int64_t>(2, 4096 / w.k);
   at::parallel_for(0, w.tiles, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(2 * w.scale_count());
+    std::vector<float> sbuf(2 * w.scale_count());
+    std::vector<T> wt(scratch);
     float y[kRowBlock][kTileRows];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = w.tile(t);
-      const TileScales s(w, tile, buf.data());
-      const uint8_t* q = w.ints(tile);
+      const TileScales s(w, tile, sbuf.data());
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
-        const float* xr = x + r0 * w.k;
-        const float* xs = w.has_mins ? xsums.data() + r0 * w.scale_count() : nullptr;
-        switch (rows) {
-          case 4: tile_rows<I, 4>(w, q, s, xr, xs, y); break;
-          case 3: tile_rows<I, 3>(w, q, s, xr, xs, y); break;
-          case 2: tile_rows<I, 2>(w, q, s, xr, xs, y); break;
-          default: tile_rows<I, 1>(w, q, s, xr, xs, y); break;
-        }
+        block(s, w.ints(tile), wt.empty() ? nullptr : wt.data(), r0, rows, y);
         for (int64_t r = 0; r < rows; ++r)
           for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i) out[(r0 + r) * w.n + t * kTileRows + i] = y[r][i];
       }
     }
   });
+}
+
+// fp32 x in registers, each block of rows by its method (kDequantFirst).
+template <typename I>
+void registers(const Tiles& w, const float* x, int64_t m, float* out) {
+  // x's sum over each group, kTileRows times over (the layout of a tile's mins), for add_mins,
+  // where a block (the first or the last) scales its dots
+  const int64_t first = std::min<int64_t>(m, kRowBlock), last = m - (m - 1) / kRowBlock * kRowBlock;
+  const bool sums = w.has_mins && (first <= I::kVecs || last <= I::kVecs);
+  std::vector<float> xsums(sums ? m * w.scale_count() : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(xsums.size()) / kTileRows; ++i)
+    std::fill_n(xsums.data() + i * kTileRows, kTileRows,
+                at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x + i * I::kGroup, I::kGroup));
+  over_tiles<float>(w, m, 0, out,
+                    [&](const TileScales& s, const uint8_t* q, float*, int64_t r0, int64_t rows, float(*y)[kTileRows]) {
+    const float* xr = x + r0 * w.k;
+    with_rows(rows, [&](auto R) {
+      if constexpr (kDequantFirst<I, R>) {
+        over_weight_rows<R>([&](auto NR, int i0) { dequantizing_block<I, R, NR>(w, q, s, i0, xr, y); });
+      } else {
+        over_weight_rows<R>([&](auto NR, int i0) { scaled_block<I, R, NR>(w, q, s, i0, xr, y); });
+        if (s.mins)
+          for (int r = 0; r < R; ++r) add_mins(s.mins, xsums.data() + (r0 + r) * w.scale_count(), w.scale_count(), y[r]);
+      }
+    });
+  });
+}
+
+#if defined(__AVX512BF16__)
+// bf16 x, R rows against a whole tile: 32 weights of a row at a time (one group or two) dequantized
+// in fp32, rounded to bf16 (as the dense bf16 GEMM's weights are) and kept in wt where given, or
+// read back from wt (kFromScratch); multiplied by vdpbf16ps, 32 products summed in fp32 each.
+template <typename I, int R, bool kFromScratch>
+inline void bf16_block(const Tiles& w, const uint8_t* q, const TileScales& s, const at::BFloat16* x,
+                       at::BFloat16* wt, float (*y)[kTileRows]) {
+  static_assert(VL == 16, "AVX-512 only");
+  __m512 acc[R][kTileRows];
+  UNROLL
+  for (int r = 0; r < R; ++r)
+    UNROLL
+    for (int i = 0; i < kTileRows; ++i) acc[r][i] = _mm512_setzero_ps();
+  const int64_t k = w.k;
+  for (int64_t c = 0; c < k; c += 32) {
+    __m512bh wv[kTileRows];
+    UNROLL
+    for (int i = 0; i < kTileRows; ++i) {
+      if constexpr (kFromScratch) {
+        wv[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wt + i * k + c));
+      } else {
+        Vec d[2];
+        UNROLL
+        for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q, s, c / I::kGroup + h, i, d + h * I::kVecs);
+        wv[i] = _mm512_cvtne2ps_pbh(d[1], d[0]);
+        if (wt) _mm512_storeu_si512(wt + i * k + c, reinterpret_cast<__m512i>(wv[i]));
+      }
+    }
+    UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * k + c));
+      UNROLL
+      for (int i = 0; i < kTileRows; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[i]);
+    }
+  }
+  UNROLL
+  for (int r = 0; r < R; ++r)
+    UNROLL
+    for (int i = 0; i < kTileRows; ++i) y[r][i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+// bf16 x with more rows than a group has vectors: the first kRowBlock rows dequantize each tile into
+// the thread's scratch (where there are more rows), the later ones read it.
+template <typename I>
+void bf16_registers(const Tiles& w, const at::BFloat16* x, int64_t m, float* out) {
+  over_tiles<at::BFloat16>(w, m, m > kRowBlock ? kTileRows * w.k : 0, out,
+                           [&](const TileScales& s, const uint8_t* q, at::BFloat16* wt, int64_t r0, int64_t rows,
+                               float(*y)[kTileRows]) {
+    with_rows(rows, [&](auto R) {
+      if (r0 == 0)
+        bf16_block<I, R, false>(w, q, s, x, wt, y);
+      else
+        bf16_block<I, R, true>(w, q, s, x + r0 * w.k, wt, y);
+    });
+  });
+}
+#endif
+
+// A tile's kTileRows weight rows dequantized into out [kTileRows][k], q * scale + min.
+template <typename I>
+void dequantize_tile(const Tiles& w, const uint8_t* tile, float* sbuf, float* out) {
+  const TileScales s(w, tile, sbuf);
+  const uint8_t* q = w.ints(tile);
+  for (int i = 0; i < kTileRows; ++i)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      Vec wv[I::kVecs];
+      dequantize_group<I>(q, s, g, i, wv);
+      UNROLL
+      for (int j = 0; j < I::kVecs; ++j) wv[j].store(out + i * w.k + g * I::kGroup + j * VL);
+    }
 }
 
 // Chunks of weight rows dequantized (in parallel) into scratch of about kChunkBytes, each then
@@ -287,20 +413,7 @@ at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
     const int64_t tiles = std::min(chunk, w.tiles - t0), rows = std::min(tiles * kTileRows, w.n - t0 * kTileRows);
     at::parallel_for(0, tiles, 4, [&](int64_t i0, int64_t i1) {
       std::vector<float> sbuf(2 * w.scale_count());
-      for (int64_t t = i0; t < i1; ++t) {
-        const uint8_t* tile = w.tile(t0 + t);
-        const TileScales s(w, tile, sbuf.data());
-        const uint8_t* q = w.ints(tile);
-        for (int i = 0; i < kTileRows; ++i) {
-          float* row = buf + (t * kTileRows + i) * w.k;
-          for (int64_t g = 0; g < w.groups; ++g) {
-            Vec wv[I::kVecs];
-            dequantize_group<I>(q, s, g, i, wv);
-            UNROLL
-            for (int j = 0; j < I::kVecs; ++j) wv[j].store(row + g * I::kGroup + j * VL);
-          }
-        }
-      }
+      for (int64_t t = i0; t < i1; ++t) dequantize_tile<I>(w, w.tile(t0 + t), sbuf.data(), buf + t * kTileRows * w.k);
     });
     out.narrow(1, t0 * kTileRows, rows).copy_(at::mm(x, scratch.narrow(0, 0, rows).to(x.scalar_type()).t()));
   }
@@ -309,10 +422,18 @@ at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
 
 template <typename I>
 at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows) {
-  if (x.size(0) >= min_dense_rows) return dense_chunks<I>(w, x);
+  const int64_t m = x.size(0);
+  if (m >= min_dense_rows) return dense_chunks<I>(w, x);
+  at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && m > I::kVecs && w.k % 32 == 0) {
+    const at::Tensor xb = x.contiguous();
+    bf16_registers<I>(w, xb.data_ptr<at::BFloat16>(), m, out.data_ptr<float>());
+    return out.to(x.scalar_type());
+  }
+#endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({x.size(0), w.n}, xf.options());
-  registers<I>(w, xf.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+  registers<I>(w, xf.data_ptr<float>(), m, out.data_ptr<float>());
   return out.to(x.scalar_type());
 }
 
