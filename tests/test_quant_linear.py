@@ -66,17 +66,19 @@ def test_quant_linear_matches_dequantized_matmul(fmt, n, k, m, method):
 
 
 @pytest.mark.parametrize("fmt,n,k", CASES)
-@pytest.mark.parametrize("m", [2, 3, 6, 33])
-def test_bf16_activations_within_bf16_rounding(fmt, n, k, m):
-    """bf16 x: with more rows than a group has vectors, an AVX512-BF16 build rounds the dequantized
-    weights to bf16 and multiplies in bf16 dot products summed in fp32, as the dense bf16 GEMM does;
-    both methods stay within 1e-2 of the exact product (of the bf16 x) at the output's scale."""
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 33])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_activations(fmt, n, k, m, dtype):
+    """bf16 and fp16 x, the output in x's dtype. With more rows than a group has vectors, an
+    AVX512-BF16 build rounds the dequantized weights to bf16 for bf16 x and multiplies in bf16 dot
+    products summed in fp32, as the dense bf16 GEMM does; every method stays within 1e-2 of the
+    exact product (of the rounded x) at the output's scale."""
     lin = layer(fmt, n, k)
-    x = fresh_x(m, k, m).bfloat16()
+    x = fresh_x(m, k, m).to(dtype)
     ref = reference(x.double(), lin)
     for method in METHODS:
         out = quant_linear(x, lin, method)
-        assert out.dtype == torch.bfloat16
+        assert out.dtype == dtype and out.shape == (m, lin.fmt.n)
         torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
