@@ -401,19 +401,29 @@ void dequantize_tile(const Tiles& w, const uint8_t* tile, float* sbuf, float* ou
     }
 }
 
-// Chunks of weight rows dequantized (in parallel) into scratch of about kChunkBytes, each then
-// multiplied in x's dtype (bf16 GEMMs for bf16 x) by one at::mm, which spreads over the threads.
-template <typename I>
+// Chunks of weight rows dequantized (in parallel) into scratch of about kChunkBytes in x's dtype T
+// (each tile through an L1-sized fp32 buffer, so a bf16 GEMM's weights are written once, at half
+// the bytes), each chunk then multiplied by one at::mm, which spreads over the threads.
+template <typename I, typename T>
 at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
-  const int64_t chunk = std::min(w.tiles, std::max<int64_t>(16, kChunkBytes / (w.k * 4 * kTileRows)));
+  const int64_t chunk = std::min(w.tiles, std::max<int64_t>(16, kChunkBytes / (w.k * sizeof(T) * kTileRows)));
   at::Tensor out = at::empty({x.size(0), w.n}, x.options());
-  at::Tensor scratch = at::empty({chunk * kTileRows, w.k}, x.options().dtype(at::kFloat));
-  float* buf = scratch.data_ptr<float>();
+  at::Tensor scratch = at::empty({chunk * kTileRows, w.k}, x.options().dtype(c10::CppTypeToScalarType<T>::value));
+  T* buf = scratch.data_ptr<T>();
   for (int64_t t0 = 0; t0 < w.tiles; t0 += chunk) {
     const int64_t tiles = std::min(chunk, w.tiles - t0), rows = std::min(tiles * kTileRows, w.n - t0 * kTileRows);
     at::parallel_for(0, tiles, 4, [&](int64_t i0, int64_t i1) {
       std::vector<float> sbuf(2 * w.scale_count());
-      for (int64_t t = i0; t < i1; ++t) dequantize_tile<I>(w, w.tile(t0 + t), sbuf.data(), buf + t * kTileRows * w.k);
+      std::vector<float> tile_buf(std::is_same_v<T, float> ? 0 : kTileRows * w.k);
+      for (int64_t t = i0; t < i1; ++t) {
+        T* dst = buf + t * kTileRows * w.k;
+        if constexpr (std::is_same_v<T, float>) {
+          dequantize_tile<I>(w, w.tile(t0 + t), sbuf.data(), dst);
+        } else {
+          dequantize_tile<I>(w, w.tile(t0 + t), sbuf.data(), tile_buf.data());
+          at::vec::convert(tile_buf.data(), dst, kTileRows * w.k);   // rounds to nearest even, as Tensor::to
+        }
+      }
     });
     out.narrow(1, t0 * kTileRows, rows).copy_(at::mm(x, scratch.narrow(0, 0, rows).to(x.scalar_type()).t()));
   }
@@ -423,7 +433,11 @@ at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
 template <typename I>
 at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows) {
   const int64_t m = x.size(0);
-  if (m >= min_dense_rows) return dense_chunks<I>(w, x);
+  if (m >= min_dense_rows) {
+    if (x.scalar_type() == at::kBFloat16) return dense_chunks<I, at::BFloat16>(w, x);
+    if (x.scalar_type() == at::kHalf) return dense_chunks<I, at::Half>(w, x);
+    return dense_chunks<I, float>(w, x);
+  }
   at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && m > I::kVecs && w.k % 32 == 0) {
