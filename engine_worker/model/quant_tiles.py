@@ -68,14 +68,15 @@ def dequantize(tiles: torch.Tensor, fmt: TileFormat, rows: torch.Tensor | None =
     """The weight's `rows` (default all) in fp32 [len(rows), K], computed as gguf's dequantizer
     does (one rounding after an exact product, then the min added)."""
     rows = torch.arange(fmt.n) if rows is None else rows
-    tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
+    tiles = tiles[rows // TILE_ROWS]       # each row's tile, gathered first: a lookup reads only those
+    each, lane = torch.arange(len(rows), device=rows.device), rows % TILE_ROWS
     count = fmt.groups * TILE_ROWS * fmt.scale_dtype.itemsize
 
     def scale_part(i: int) -> torch.Tensor:      # [len(rows), G]
-        return tiles[:, i * count:(i + 1) * count].view(fmt.scale_dtype).view(-1, fmt.groups, TILE_ROWS)[tile, :, lane]
+        return tiles[:, i * count:(i + 1) * count].view(fmt.scale_dtype).view(-1, fmt.groups, TILE_ROWS)[each, :, lane]
 
     start = count * (2 if fmt.has_mins else 1)
-    q = tiles[:, start:].view(-1, fmt.groups, TILE_ROWS, fmt.int_bytes)[tile, :, lane]
+    q = tiles[:, start:].view(-1, fmt.groups, TILE_ROWS, fmt.int_bytes)[each, :, lane]
     q = torch.cat([q & 0x0F, q >> 4], dim=-1) if fmt.bits == 4 else q.view(torch.int8)
     w = q.float() * scale_part(0).float()[..., None]
     if fmt.has_mins:
