@@ -11,9 +11,9 @@
 // Three methods, chosen by the number of rows m of x and x's dtype (min_dense_rows from the caller,
 // measured by bench/quant_linear.py):
 // * m >= min_dense_rows (prefill, large decode batches): chunks of weight rows are dequantized
-//   into scratch and multiplied in x's dtype by at::mm (oneDNN/MKL), whose blocked GEMM is faster
+//   into scratch in x's dtype and multiplied by at::mm (oneDNN/MKL), whose blocked GEMM is faster
 //   once a dequantized weight is reused by enough rows.
-// * else in fp32 registers, with x exact, up to 4 rows of x meeting a tile while it is in L1 (its
+// * else (but for the bf16 case below) in fp32 registers, with x exact, up to 4 rows of x meeting a tile while it is in L1 (its
 //   scales widened once for them). With few rows, per group, the dot product of x with the stored
 //   integers (widened to fp32) is scaled once: y = sum_g scale_g * (x_g . q_g) + sum_g min_g *
 //   sum(x_g), the second from x's group sums, computed once per call; with more rows than a
