@@ -59,7 +59,7 @@ def _cpu_flags() -> set[str]:
 
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"]
 _ISA_FLAGS = {
-    "avx512bf16": _AVX512 + ["-mavx512bf16"],
+    "avx512bf16": _AVX512 + ["-mavx512bf16", "-mavx512vnni"],   # every AVX512-BF16 CPU has VNNI
     "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
     "default": [],                 # at::vec's portable code
@@ -83,6 +83,12 @@ def cpu_capability() -> tuple[str, list[str]]:
     else:
         isa = "default"
     return isa, _ISA_FLAGS[isa]
+
+
+def int8_activations_built() -> bool:
+    """Whether the extension's build multiplies int8-rounded activations (quant_linear's int8
+    method needs AVX512-VNNI; other builds take the exact method for those rows)."""
+    return "-mavx512vnni" in cpu_capability()[1]
 
 
 def _build_dir(name: str) -> Path:
@@ -166,7 +172,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("kaiten_cpu::packed_linear")(
         lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
     torch.library.register_fake("kaiten_cpu::quant_linear")(
-        lambda x, tiles, n, k, bits, group, has_mins, min_dense_rows: x.new_empty((*x.shape[:-1], n)))
+        lambda x, tiles, n, k, bits, group, has_mins, min_dense_rows, int8_rows=0: x.new_empty((*x.shape[:-1], n)))
     torch.library.register_fake("kaiten_cpu::bf16_linear")(
         lambda x, weight, bias, min_dense_rows: x.new_empty((*x.shape[:-1], weight.shape[0])))
     torch.library.register_fake("kaiten_cpu::lora_add_")(

@@ -1,25 +1,26 @@
 """kaiten_cpu::quant_linear (kernels/csrc/quant_linear_cpu.cpp) against dequantize-then-matmul,
-for every GGUF format (int4 with mins; int8 with and without mins, groups of 16 and 32), both
-methods (fp32 registers, dequantized chunks into at::mm) and odd shapes, on fresh random inputs;
-and the tiles it reads (engine_worker/model/quant_tiles.py). test_other_isa_builds runs them again
-on the AVX2 and portable builds."""
+for every GGUF format (int4 with mins; int8 with and without mins, groups of 16 and 32), its
+methods (fp32 registers, dequantized chunks into at::mm, int8 activations) and odd shapes, on fresh
+random inputs; and the tiles it reads (engine_worker/model/quant_tiles.py). test_other_isa_builds
+runs them again on the AVX2 and portable builds."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from engine_worker.model.quant_layers import MIN_DENSE_ROWS, QuantEmbedding, QuantLinear
+from engine_worker.model.quant_layers import INT8_ROWS, MIN_DENSE_ROWS, QuantEmbedding, QuantLinear
 from engine_worker.model.quant_tiles import TILE_ROWS
-from kernels.cpu_attention import cpp_attention_available
+from kernels.cpu_attention import cpp_attention_available, int8_activations_built
 from shared.gguf_quant import PackedWeight, concat, repack
 from tests.isa_builds import assert_passes_in_isa_build
 from tests.test_gguf_quant import gguf_tensor
 
 pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
 
-# min_dense_rows forcing each method
-METHODS = {"registers": 1 << 30, "dense": 0}
+NEVER = 1 << 30
+# min_dense_rows forcing each exact method (int8_rows is 0 unless given)
+METHODS = {"registers": NEVER, "dense": 0}
 # (format, N, K): N not a multiple of TILE_ROWS, K a multiple of 32 (of 256 for the K-quants)
 CASES = [("Q4_0", 37, 96), ("Q4_1", 45, 160), ("Q8_0", 37, 96), ("Q4_K", 19, 512), ("Q6_K", 23, 256),
          ("mixed", 21, 256), ("Q8_0+min", 13, 64)]
@@ -82,15 +83,51 @@ def test_half_precision_activations(fmt, n, k, m, dtype):
         torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 method sees it, in fp64: per row and block of 32, q = x * (127 / amax) rounded
+    to nearest even (fp32 arithmetic, as the kernel), times amax / 127."""
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    q = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).clamp(-128, 127)
+    return (q.double() * (amax / 127).double()).view(m, k)
+
+
+def int8_reference(x: torch.Tensor, lin: QuantLinear) -> torch.Tensor:
+    """The int8 method's exact result: the dequantized weight times the int8-rounded x."""
+    return int8_rounded(x) @ lin.dequantize().double().T
+
+
+@pytest.mark.parametrize("fmt,n,k", CASES)
+@pytest.mark.parametrize("m", [1, 3, 6, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activations(fmt, n, k, m, dtype):
+    """Where the build has AVX512-VNNI, the int8 method equals its exact reference but for the
+    summation order, and stays within 5% of the exact product's norm on these activations with
+    outlier channels. Other builds take the exact method for those rows."""
+    lin = layer(fmt, n, k)
+    x = fresh_x(m, k, m).to(dtype)
+    out = torch.ops.kaiten_cpu.quant_linear(x, lin.tiles, *lin.op_args, NEVER, NEVER).double()
+    exact = reference(x.double(), lin)
+    if not int8_activations_built():
+        torch.testing.assert_close(out, exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
+        return
+    expected = int8_reference(x, lin)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4       # the output rounded to x's dtype
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol * expected.abs().max().item())
+    assert (out - exact).norm() < 0.05 * exact.norm()
+
+
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 def test_layer_picks_a_method_by_rows(fmt):
-    """QuantLinear multiplies in registers below MIN_DENSE_ROWS and by dense chunks from it; both
-    match the dequantized weight."""
+    """QuantLinear multiplies int8-rounded activations up to INT8_ROWS (where the build can), the
+    exact activations in registers below MIN_DENSE_ROWS and by dense chunks from it."""
     lin = layer(fmt, 37, 96)
     dense = MIN_DENSE_ROWS[torch.float32]
-    for m in (1, 2, 3, 4, 8, dense - 1, dense, dense + 9):
+    for m in (1, 2, 3, 4, 8, INT8_ROWS, INT8_ROWS + 1, dense - 1, dense, dense + 9):
         x = fresh_x(m, 96, 11)
-        expected = reference(x, lin)
+        int8 = m <= INT8_ROWS and int8_activations_built()
+        expected = int8_reference(x, lin).float() if int8 else reference(x, lin)
         torch.testing.assert_close(lin(x), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 

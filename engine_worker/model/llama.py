@@ -243,12 +243,14 @@ class LlamaForCausalLM(nn.Module):
                 module = getattr(layer, block)
                 if all(n in packed for n in names) and getattr(module, attr).bias is None:
                     setattr(module, attr, QuantLinear(concat([packed[n] for n in names])))
+        # The output layer keeps exact activations: its logits are what sampling reads (int8 ones
+        # turned SmolLM2's near tie in "What is the capital of France?" from 'The' to 'L').
         if "model.embed_tokens" in packed:
-            self.embed_tokens = QuantEmbedding(QuantLinear(packed["model.embed_tokens"]), dtype)
+            self.embed_tokens = QuantEmbedding(QuantLinear(packed["model.embed_tokens"], int8_activations=False), dtype)
             if self.lm_head is None:
                 self.lm_head = self.embed_tokens.table
         if "lm_head" in packed:
-            self.lm_head = QuantLinear(packed["lm_head"])
+            self.lm_head = QuantLinear(packed["lm_head"], int8_activations=False)
 
     def use_bf16_weights(self) -> int:
         """Swap every nn.Linear and the nn.Embedding for layers that keep their weights in bf16 and

@@ -1,8 +1,8 @@
 """Linear and embedding layers on GGUF-quantized weights kept as stored (shared/gguf_quant.py).
 
 QuantLinear multiplies with kaiten_cpu::quant_linear from the C++ extension (kernels/csrc/
-quant_linear_cpu.cpp), which, by the number of rows, dequantizes in fp32 registers or dequantizes
-chunks for a dense GEMM;
+quant_linear_cpu.cpp), which, by the number of rows, multiplies int8-rounded activations by the
+stored integers, dequantizes in registers, or dequantizes chunks for a dense GEMM;
 QuantEmbedding dequantizes only the rows it looks up. A tied output layer is a QuantLinear on the
 embedding's own buffers, so the largest matrix stays quantized and stored once.
 """
@@ -15,26 +15,33 @@ from engine_worker.model.quant_tiles import dequantize, to_tiles
 from shared.gguf_quant import PackedWeight
 
 # Rows of x from which quant_linear dequantizes chunks for at::mm, by x's dtype (the dense GEMM's
-# speed is the dtype's). bf16: 2-core Zen 5 EPYC with AVX512-BF16, 2 threads, the kernel's bf16 dot
-# products against the dense chunks (dequantize, round to bf16, oneDNN), 30 layers' projections,
-# dense time / register time: Q4_1 1.59x at 32 rows, 1.34x at 64, 1.18x at 96, 1.06x at 128, 0.98-1.02x
-# at 192-512; Q8_0 1.51x at 32, 1.23x at 64, 0.90x at 128. fp32: min of 5-11
-# rounds, 1 thread (the machine had a load of 7-13 on 2 cores), AVX2 EPYC, bench/quant_linear.py's
-# shapes and methods, dense time / this time: int4 registers 1.4-3.6x at 24 rows, 0.9-1.1x at
-# 48-64, dense ahead from 96 (0.6-0.9x); int8 weights 1.2-1.6x at 24, 1.0-1.35x at 48-64, dense
-# ahead from 96-128 (measured before the tiled layout, with the int8-activation method it replaced;
-# on the Zen 4 the tiled fp32 registers were still ahead at 64-128 rows: 1.25-1.9x, and on the Zen 5
-# at up to 512 rows, 1.5-2.5x: MKL's fp32 GEMM on AMD; kept at 64 until a CPU with Intel's MKL path
-# is measured).
-MIN_DENSE_ROWS = {torch.bfloat16: 96, torch.float32: 64}
-
+# speed is the dtype's). bf16 with AMX (oneDNN's bf16 GEMM on its tiles): 2-core Xeon, 2 threads,
+# 30 layers' Q4_1 projections: int8 activations 33.7 ms at 16 rows and 58.3 at 32, the dense
+# chunks 44.2 and 44.5 (their cost is the dequantizing, flat up to 64 rows). bf16 without AMX:
+# 2-core Zen 5 EPYC with AVX512-BF16, 2 threads, the kernel's bf16 dot products against the dense
+# chunks (dequantize, round to bf16, oneDNN), dense time / register time: Q4_1 1.59x at 32 rows,
+# 1.34x at 64, 1.18x at 96, 1.06x at 128, 0.98-1.02x at 192-512; Q8_0 1.51x at 32, 1.23x at 64,
+# 0.90x at 128. fp32: min of 5-11 rounds, 1 thread (the machine had a load of 7-13 on 2 cores),
+# AVX2 EPYC, bench/quant_linear.py's shapes and methods, dense time / this time: int4 registers
+# 1.4-3.6x at 24 rows, 0.9-1.1x at 48-64, dense ahead from 96 (0.6-0.9x); int8 weights 1.2-1.6x at
+# 24, 1.0-1.35x at 48-64, dense ahead from 96-128 (measured before the tiled layout, with the
+# int8-activation method it replaced; on the Zen 4 the tiled fp32 registers were still ahead at
+# 64-128 rows: 1.25-1.9x, and on the Zen 5 at up to 512 rows, 1.5-2.5x: MKL's fp32 GEMM on AMD;
+# kept at 64 until a CPU with Intel's MKL path is measured).
+MIN_DENSE_ROWS = {torch.bfloat16: 24 if torch.cpu._is_amx_tile_supported() else 96, torch.float32: 64}
+# Rows of x up to which quant_linear multiplies int8-rounded activations by the stored integers
+# (llama.cpp's way; a build with AVX512-VNNI, else the exact fp32-register method). Same Xeon,
+# int8 / exact time, Q4_1 and Q8_0 projections: fp32 x 0.62x and 0.84x at one row; bf16 x (the
+# bf16 dot products from 3 rows) 0.87x and 0.94x at 1 row, 0.55x and 0.63x at 4, 0.78x and 0.75x at 16.
+INT8_ROWS = 16
 
 class QuantLinear(nn.Module):
     """y = x W^T, W packed (int4 or int8 with group scales and mins) in quant_linear's tiles
     (quant_tiles.py). No bias: GGUF Llama projections have none. CPU only; needs the C++ extension."""
 
-    def __init__(self, packed: PackedWeight):
+    def __init__(self, packed: PackedWeight, int8_activations: bool = True):
         super().__init__()
+        self.int8_activations = int8_activations      # up to INT8_ROWS rows, where the build can
         tiles, self.fmt = to_tiles(packed)
         self.register_buffer("tiles", torch.from_numpy(tiles))
         f = self.fmt
@@ -45,7 +52,8 @@ class QuantLinear(nn.Module):
         return "int4" if self.fmt.bits == 4 else "int8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 96))
+        return torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 96),
+                                                 INT8_ROWS if self.int8_activations else 0)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in fp32, computed as gguf's dequantizer does."""

@@ -8,11 +8,15 @@
 // as one run, and fp16 scales keep the tensor at the GGUF file's size (20 bytes per 32 int4
 // weights, 34 per 32 int8).
 //
-// Three methods, chosen by the number of rows m of x and x's dtype (min_dense_rows from the caller,
-// measured by bench/quant_linear.py):
+// Four methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
+// from the caller, measured by bench/quant_linear.py):
 // * m >= min_dense_rows (prefill, large decode batches): chunks of weight rows are dequantized
 //   into scratch in x's dtype and multiplied by at::mm (oneDNN/MKL), whose blocked GEMM is faster
 //   once a dequantized weight is reused by enough rows.
+// * m <= int8_rows, in an AVX512-VNNI build: *int8 activations*, as llama.cpp computes: x rounded
+//   to int8 per block of 32, integer dot products with the stored integers (vpdpbusd, 64 byte
+//   products an instruction), scaled per group in fp32 (int8_block). x is inexact (about 1% of the
+//   output's norm), the fewest instructions per weight.
 // * else (but for the bf16 case below) in fp32 registers, with x exact, up to 4 rows of x meeting a tile while it is in L1 (its
 //   scales widened once for them). With few rows, per group, the dot product of x with the stored
 //   integers (widened to fp32) is scaled once: y = sum_g scale_g * (x_g . q_g) + sum_g min_g *
@@ -112,6 +116,7 @@ struct TileScales {
   const float* scales;
   const float* mins;   // nullptr without mins
 
+  TileScales() : scales(nullptr), mins(nullptr) {}
   TileScales(const Tiles& w, const uint8_t* tile, float* buf) {
     const int64_t count = w.scale_count();
     const float* parts[2] = {nullptr, nullptr};
@@ -130,9 +135,10 @@ struct TileScales {
 };
 
 // The stored integers of one row's group of G as G / VL fp32 vectors, in input order.
-template <bool kInt4, int G>
+template <bool kIsInt4, int G>
 struct Ints {
-  static_assert(G % VL == 0 && (G == 32 || (!kInt4 && G == 16)), "int4 groups are 32, int8 groups 16 or 32");
+  static_assert(G % VL == 0 && (G == 32 || (!kIsInt4 && G == 16)), "int4 groups are 32, int8 groups 16 or 32");
+  static constexpr bool kInt4 = kIsInt4;
   static constexpr int kGroup = G;
   static constexpr int kVecs = G / VL;
   static constexpr int kBytes = kInt4 ? G / 2 : G;
@@ -146,6 +152,20 @@ struct Ints {
     }
   }
 };
+
+// How far ahead of a group a thread asks for its tiles' bytes. The hardware prefetchers alone left
+// a one-row decode at 8-12 GB/s where a plain read streams 24 (2-core Xeon with AMX, 2 threads,
+// 30 layers' Q4_1 projections: 4.8 -> 4.7 ms in fp32 registers, 3.5 -> 2.9 ms with int8 x; Q8_0
+// 10.4 -> 7.1 and 9.7 -> 6.0 ms; as good from 4 KiB to 8 KiB ahead). Past a matrix's end it is a
+// harmless hint.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Asks for the bytes kPrefetchBytes past a tile's group qg (its 4 rows' integers).
+template <typename I>
+inline void prefetch_group(const uint8_t* qg) {
+  UNROLL
+  for (int j = 0; j < (kTileRows * I::kBytes + 63) / 64; ++j) __builtin_prefetch(qg + kPrefetchBytes + 64 * j);
+}
 
 // The weights of row `lane` of a tile in group g, q * scale + min, as I::kVecs fp32 vectors; q: the
 // tile's integers.
@@ -205,6 +225,7 @@ inline void scaled_block(const Tiles& w, const uint8_t* q, const TileScales& s, 
     for (int i = 0; i < NR; ++i) acc[r][i] = Vec(0.f);
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* qg = q + g * kTileRows * I::kBytes;
+    if (i0 == 0) prefetch_group<I>(qg);
     const float* sg = s.scales + g * kTileRows;
     Vec xv[R][I::kVecs];
     UNROLL
@@ -244,6 +265,7 @@ inline void dequantizing_block(const Tiles& w, const uint8_t* q, const TileScale
     UNROLL
     for (int i = 0; i < NR; ++i) acc[r][i] = Vec(0.f);
   for (int64_t g = 0; g < w.groups; ++g) {
+    if (i0 == 0) prefetch_group<I>(q + g * kTileRows * I::kBytes);
     Vec xv[R][I::kVecs];
     UNROLL
     for (int r = 0; r < R; ++r)
@@ -281,26 +303,36 @@ inline void add_mins(const float* mins, const float* xsums, int64_t count, float
 }
 
 // Threads split the tiles; a thread meets each of its tiles with all m rows of x, kRowBlock rows at
-// a time: block(s, q, wt, r0, rows, y) fills y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows from
-// the tile's scales s and integers q; wt: the thread's scratch of `scratch` Ts, or nullptr.
-template <typename T, typename Block>
+// a time: block(s, tile, wt, r0, rows, y) fills y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows
+// from the tile (its scales widened to fp32 in s where kWiden); wt: the thread's scratch of
+// `scratch` Ts, or nullptr.
+template <typename T, bool kWiden = true, typename Block>
 void over_tiles(const Tiles& w, int64_t m, int64_t scratch, float* out, const Block& block) {
   const int64_t grain = std::max<int64_t>(2, 4096 / w.k);
   at::parallel_for(0, w.tiles, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> sbuf(2 * w.scale_count());
+    std::vector<float> sbuf(kWiden ? 2 * w.scale_count() : 0);
     std::vector<T> wt(scratch);
     float y[kRowBlock][kTileRows];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = w.tile(t);
-      const TileScales s(w, tile, sbuf.data());
+      const TileScales s = kWiden ? TileScales(w, tile, sbuf.data()) : TileScales();
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
-        block(s, w.ints(tile), wt.empty() ? nullptr : wt.data(), r0, rows, y);
+        block(s, tile, wt.empty() ? nullptr : wt.data(), r0, rows, y);
         for (int64_t r = 0; r < rows; ++r)
           for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i) out[(r0 + r) * w.n + t * kTileRows + i] = y[r][i];
       }
     }
   });
+}
+
+// x's sum over each group of G, kTileRows times over (the layout of a tile's mins): [m][G][kTileRows].
+std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t group) {
+  std::vector<float> sums(m * k / group * kTileRows);
+  for (int64_t i = 0; i < static_cast<int64_t>(sums.size()) / kTileRows; ++i)
+    std::fill_n(sums.data() + i * kTileRows, kTileRows,
+                at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x + i * group, group));
+  return sums;
 }
 
 // fp32 x in registers, each block of rows by its method (kDequantFirst).
@@ -310,12 +342,10 @@ void registers(const Tiles& w, const float* x, int64_t m, float* out) {
   // where a block (the first or the last) scales its dots
   const int64_t first = std::min<int64_t>(m, kRowBlock), last = m - (m - 1) / kRowBlock * kRowBlock;
   const bool sums = w.has_mins && (first <= I::kVecs || last <= I::kVecs);
-  std::vector<float> xsums(sums ? m * w.scale_count() : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(xsums.size()) / kTileRows; ++i)
-    std::fill_n(xsums.data() + i * kTileRows, kTileRows,
-                at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x + i * I::kGroup, I::kGroup));
+  const std::vector<float> xsums = sums ? group_sums(x, m, w.k, I::kGroup) : std::vector<float>();
   over_tiles<float>(w, m, 0, out,
-                    [&](const TileScales& s, const uint8_t* q, float*, int64_t r0, int64_t rows, float(*y)[kTileRows]) {
+                    [&](const TileScales& s, const uint8_t* tile, float*, int64_t r0, int64_t rows, float(*y)[kTileRows]) {
+    const uint8_t* q = w.ints(tile);
     const float* xr = x + r0 * w.k;
     with_rows(rows, [&](auto R) {
       if constexpr (kDequantFirst<I, R>) {
@@ -344,6 +374,8 @@ inline void bf16_block(const Tiles& w, const uint8_t* q, const TileScales& s, co
     for (int i = 0; i < kTileRows; ++i) acc[r][i] = _mm512_setzero_ps();
   const int64_t k = w.k;
   for (int64_t c = 0; c < k; c += 32) {
+    if constexpr (!kFromScratch)
+      for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q + (c / I::kGroup + h) * kTileRows * I::kBytes);
     __m512bh wv[kTileRows];
     UNROLL
     for (int i = 0; i < kTileRows; ++i) {
@@ -375,14 +407,157 @@ inline void bf16_block(const Tiles& w, const uint8_t* q, const TileScales& s, co
 template <typename I>
 void bf16_registers(const Tiles& w, const at::BFloat16* x, int64_t m, float* out) {
   over_tiles<at::BFloat16>(w, m, m > kRowBlock ? kTileRows * w.k : 0, out,
-                           [&](const TileScales& s, const uint8_t* q, at::BFloat16* wt, int64_t r0, int64_t rows,
+                           [&](const TileScales& s, const uint8_t* tile, at::BFloat16* wt, int64_t r0, int64_t rows,
                                float(*y)[kTileRows]) {
+    const uint8_t* q = w.ints(tile);
     with_rows(rows, [&](auto R) {
       if (r0 == 0)
         bf16_block<I, R, false>(w, q, s, x, wt, y);
       else
         bf16_block<I, R, true>(w, q, s, x + r0 * w.k, wt, y);
     });
+  });
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// int8 activations (llama.cpp's way), AVX512-VNNI: each row of x quantized once per call to int8
+// per block of 32 (scale amax / 127, nearest even), its integers multiplied with the stored ones by
+// vpdpbusd (64 unsigned x signed byte products, summed by 4 into 16 int32 lanes). The 4 weight
+// rows of a tile's group load as one vector (16 bytes a row: int4, int8 groups of 16) or two
+// (int8 groups of 32), so each lane holds one weight row's part of the group's dot and takes that
+// row's scale: per group, the dots to fp32, times the rows' scales and x's block scale, into fp32
+// accumulators, and the mins times the rounded x's group sums: so the result is the exact weight
+// times the rounded x, whose error is the weight's (centred) times x's rounding. (Mins times x's
+// exact sums leave the integers' (0 to 15) times the rounding: SmolLM2's Q4_1 perplexity with every
+// row so was 18.53 against 18.30 exact.) int8 weights are signed: they meet x as w + 128
+// (unsigned), less 128 times x's bytes, the dot's starting value.
+struct Int8Rows {
+  int64_t k, groups;
+  std::vector<int8_t> q;      // [m][k]
+  std::vector<float> d;       // [m][k / 32]: x ~ q * d
+  std::vector<float> sums;    // [m][groups]: sums of the rounded x over the weight's groups (with mins)
+  std::vector<int32_t> corr;  // [m][groups][16]: -128 * the 4 bytes of x each lane meets (int8)
+};
+
+// x's bytes of a group as each weight row meets them: 16 bytes in every 128-bit lane, or 32 in both halves.
+inline __m512i bcast16(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512i bcast32(const int8_t* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// The 4 rows' scales (or mins) of group g, fp16 or fp32, as fp32.
+inline __m128 load4(const uint8_t* p, int bytes, int64_t g) {
+  if (bytes == 4) return _mm_loadu_ps(reinterpret_cast<const float*>(p) + g * kTileRows);
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + g * kTileRows * 2)));
+}
+
+template <typename I>
+Int8Rows quantize_rows(const Tiles& w, const float* x, int64_t m) {
+  constexpr int G = I::kGroup;
+  Int8Rows r{w.k, w.groups, std::vector<int8_t>(m * w.k), std::vector<float>(m * w.k / 32),
+             std::vector<float>(w.has_mins ? m * w.groups : 0), std::vector<int32_t>(I::kInt4 ? 0 : m * w.groups * 16)};
+  for (int64_t b = 0; b < m * w.k / 32; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    r.d[b] = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    int8_t* q = r.q.data() + b * 32;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+  }
+  for (int64_t i = 0; i < static_cast<int64_t>(r.sums.size()); ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < G; ++j) sum += r.q[i * G + j];
+    r.sums[i] = static_cast<float>(sum) * r.d[i * G / 32];
+  }
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
+  for (int64_t i = 0; i < static_cast<int64_t>(r.corr.size()) / 16; ++i) {
+    const int8_t* xg = r.q.data() + i * G;
+    const __m512i xb = G == 32 ? bcast32(xg) : bcast16(xg);
+    _mm512_storeu_si512(r.corr.data() + i * 16, _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, xb)));
+  }
+  return r;
+}
+
+// R rows of x (from r0) against a tile, into y[r][i].
+template <typename I, int R>
+inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, int64_t r0, float (*y)[kTileRows]) {
+  constexpr int G = I::kGroup;
+  constexpr int NZ = (!I::kInt4 && G == 32) ? 2 : 1;     // vectors of a group's 4 rows: 4 lanes a row, or 8
+  const uint8_t* mins = w.has_mins ? tile + w.scale_count() * w.scale_bytes : nullptr;
+  const uint8_t* q = w.ints(tile);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i row_of_lane[NZ];
+  UNROLL
+  for (int j = 0; j < NZ; ++j)
+    row_of_lane[j] = NZ == 1 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                             : _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
+                                                 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+  __m512 acc[R][NZ];
+  __m128 macc[R];
+  UNROLL
+  for (int r = 0; r < R; ++r) {
+    macc[r] = _mm_setzero_ps();
+    UNROLL
+    for (int j = 0; j < NZ; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const __m512 s4 = _mm512_castps128_ps512(load4(tile, w.scale_bytes, g));
+    __m512 sv[NZ];
+    UNROLL
+    for (int j = 0; j < NZ; ++j) sv[j] = _mm512_permutexvar_ps(row_of_lane[j], s4);
+    const uint8_t* qg = q + g * kTileRows * I::kBytes;
+    prefetch_group<I>(qg);
+    __m512i wv[2];
+    if constexpr (I::kInt4) {
+      const __m512i b = _mm512_loadu_si512(qg);
+      wv[0] = _mm512_and_si512(b, low4);                          // elements 0-15 of each row
+      wv[1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);    // 16-31
+    } else {
+      UNROLL
+      for (int j = 0; j < NZ; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(qg + 64 * j), bias);
+    }
+    const __m128 m4 = mins ? load4(mins, w.scale_bytes, g) : _mm_setzero_ps();
+    UNROLL
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xg = x.q.data() + row * x.k + g * G;
+      const __m512 dx = _mm512_set1_ps(x.d[(row * x.k + g * G) / 32]);
+      __m512i dot[NZ];
+      if constexpr (I::kInt4) {
+        dot[0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], bcast16(xg)), wv[1], bcast16(xg + 16));
+      } else {
+        const __m512i c = _mm512_loadu_si512(x.corr.data() + (row * x.groups + g) * 16);
+        const __m512i xb = G == 32 ? bcast32(xg) : bcast16(xg);
+        UNROLL
+        for (int j = 0; j < NZ; ++j) dot[j] = _mm512_dpbusd_epi32(c, wv[j], xb);
+      }
+      UNROLL
+      for (int j = 0; j < NZ; ++j) acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), _mm512_mul_ps(sv[j], dx), acc[r][j]);
+      if (mins) macc[r] = _mm_fmadd_ps(m4, _mm_set1_ps(x.sums[row * x.groups + g]), macc[r]);
+    }
+  }
+  UNROLL
+  for (int r = 0; r < R; ++r) {
+    float lanes[NZ * 16], m[kTileRows];
+    UNROLL
+    for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(lanes + 16 * j, acc[r][j]);
+    _mm_storeu_ps(m, macc[r]);
+    UNROLL
+    for (int i = 0; i < kTileRows; ++i) {
+      float sum = m[i];
+      UNROLL
+      for (int l = 0; l < 4 * NZ; ++l) sum += lanes[i * 4 * NZ + l];
+      y[r][i] = sum;
+    }
+  }
+}
+
+template <typename I>
+void int8_activations(const Tiles& w, const float* x, int64_t m, float* out) {
+  const Int8Rows xq = quantize_rows<I>(w, x, m);
+  over_tiles<float, false>(w, m, 0, out,
+                           [&](const TileScales&, const uint8_t* tile, float*, int64_t r0, int64_t rows, float(*y)[kTileRows]) {
+    with_rows(rows, [&](auto R) { int8_block<I, R>(w, tile, xq, r0, y); });
   });
 }
 #endif
@@ -394,6 +569,7 @@ void dequantize_tile(const Tiles& w, const uint8_t* tile, float* sbuf, float* ou
   const uint8_t* q = w.ints(tile);
   for (int i = 0; i < kTileRows; ++i)
     for (int64_t g = 0; g < w.groups; ++g) {
+      if (i == 0) prefetch_group<I>(q + g * kTileRows * I::kBytes);
       Vec wv[I::kVecs];
       dequantize_group<I>(q, s, g, i, wv);
       UNROLL
@@ -431,7 +607,7 @@ at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
 }
 
 template <typename I>
-at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows) {
+at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int64_t int8_rows) {
   const int64_t m = x.size(0);
   if (m >= min_dense_rows) {
     if (x.scalar_type() == at::kBFloat16) return dense_chunks<I, at::BFloat16>(w, x);
@@ -439,6 +615,13 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows) {
     return dense_chunks<I, float>(w, x);
   }
   at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
+#if defined(__AVX512VNNI__)
+  if (m <= int8_rows && w.k % 32 == 0) {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    int8_activations<I>(w, xf.data_ptr<float>(), m, out.data_ptr<float>());
+    return out.to(x.scalar_type());
+  }
+#endif
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && m > I::kVecs && w.k % 32 == 0) {
     const at::Tensor xb = x.contiguous();
@@ -452,7 +635,7 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows) {
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n, int64_t k, int64_t bits,
-                        int64_t group, bool has_mins, int64_t min_dense_rows) {
+                        int64_t group, bool has_mins, int64_t min_dense_rows, int64_t int8_rows) {
   TORCH_CHECK(tiles.dim() == 2 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte,
               "quant_linear: tiles must be a contiguous uint8 matrix");
   TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 16 || group == 32)),
@@ -470,11 +653,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n,
   const at::Tensor x2 = x.reshape({-1, k});
   at::Tensor out;
   if (bits == 4)
-    out = run<Ints<true, 32>>(w, x2, min_dense_rows);
+    out = run<Ints<true, 32>>(w, x2, min_dense_rows, int8_rows);
   else if (group == 32)
-    out = run<Ints<false, 32>>(w, x2, min_dense_rows);
+    out = run<Ints<false, 32>>(w, x2, min_dense_rows, int8_rows);
   else
-    out = run<Ints<false, 16>>(w, x2, min_dense_rows);
+    out = run<Ints<false, 16>>(w, x2, min_dense_rows, int8_rows);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   return out.view(shape);
@@ -483,7 +666,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kaiten_cpu, m) {
-  m.def("quant_linear(Tensor x, Tensor tiles, int n, int k, int bits, int group, bool has_mins, int min_dense_rows) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor tiles, int n, int k, int bits, int group, bool has_mins, int min_dense_rows, int int8_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kaiten_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }
