@@ -14,10 +14,12 @@ from torch import nn
 from engine_worker.model.quant_tiles import dequantize, to_tiles
 from shared.gguf_quant import PackedWeight
 
-# Rows of x from which quant_linear dequantizes chunks for at::mm, by x's dtype (the dense GEMM's
-# speed is the dtype's). bf16 with AMX (oneDNN's bf16 GEMM on its tiles): 2-core Xeon, 2 threads,
-# 30 layers' Q4_1 projections: int8 activations 33.7 ms at 16 rows and 58.3 at 32, the dense
-# chunks 44.2 and 44.5 (their cost is the dequantizing, flat up to 64 rows). bf16 without AMX:
+# Rows of x from which quant_linear dequantizes for a dense GEMM, by x's dtype (the dense GEMM's
+# speed is the dtype's). bf16 with AMX (from there to 64 rows its own AMX kernel, then oneDNN's
+# bf16 GEMM on dequantized chunks): 2-core Xeon, 2 threads, 30 layers' projections, Q4_1 / Q8_0,
+# ms: 8 rows AMX 14.9 / 17.2, int8 activations 12.3 / 13.6; 16 rows AMX 18.2 / 21.2, int8 19.1 /
+# 32.0, oneDNN chunks 30.5 / 35.0; 32 rows AMX 24.7 / 29.2, oneDNN 34.1 / 42.4; 64 rows alike.
+# bf16 without AMX:
 # 2-core Zen 5 EPYC with AVX512-BF16, 2 threads, the kernel's bf16 dot products against the dense
 # chunks (dequantize, round to bf16, oneDNN), dense time / register time: Q4_1 1.59x at 32 rows,
 # 1.34x at 64, 1.18x at 96, 1.06x at 128, 0.98-1.02x at 192-512; Q8_0 1.51x at 32, 1.23x at 64,
@@ -28,7 +30,7 @@ from shared.gguf_quant import PackedWeight
 # int8-activation method it replaced; on the Zen 4 the tiled fp32 registers were still ahead at
 # 64-128 rows: 1.25-1.9x, and on the Zen 5 at up to 512 rows, 1.5-2.5x: MKL's fp32 GEMM on AMD;
 # kept at 64 until a CPU with Intel's MKL path is measured).
-MIN_DENSE_ROWS = {torch.bfloat16: 24 if torch.cpu._is_amx_tile_supported() else 96, torch.float32: 64}
+MIN_DENSE_ROWS = {torch.bfloat16: 12 if torch.cpu._is_amx_tile_supported() else 96, torch.float32: 64}
 # Rows of x up to which quant_linear multiplies int8-rounded activations by the stored integers
 # (llama.cpp's way; a build with AVX512-VNNI, else the exact fp32-register method). Same Xeon,
 # int8 / exact time, Q4_1 and Q8_0 projections: fp32 x 0.62x and 0.84x at one row; bf16 x (the

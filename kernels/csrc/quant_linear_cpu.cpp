@@ -12,7 +12,9 @@
 // from the caller, measured by bench/quant_linear.py):
 // * m >= min_dense_rows (prefill, large decode batches): chunks of weight rows are dequantized
 //   into scratch in x's dtype and multiplied by at::mm (oneDNN/MKL), whose blocked GEMM is faster
-//   once a dequantized weight is reused by enough rows.
+//   once a dequantized weight is reused by enough rows. bf16 x of up to kAmxMaxRows rows on a CPU
+//   with AMX: each 16 x 32 block of the weight dequantized to bf16 into a tile, multiplied by
+//   tdpbf16ps into fp32 tiles (amx_bf16).
 // * m <= int8_rows, in an AVX512-VNNI build: *int8 activations*, as llama.cpp computes: x rounded
 //   to int8 per block of 32, integer dot products with the stored integers (vpdpbusd, 64 byte
 //   products an instruction), scaled per group in fp32 (int8_block). x is inexact (about 1% of the
@@ -39,6 +41,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#if defined(__AMX_TILE__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <type_traits>
 #include <vector>
 
@@ -606,10 +613,138 @@ at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
   return out;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// bf16 x on AMX, in place of the dense chunks for up to kAmxMaxRows rows: per block of 16 weight
+// rows (4 tiles) and 32 inputs, the weights dequantized and rounded to bf16 into an A tile (a row
+// each, as the dense bf16 GEMM rounds them), x in B tiles of 16 rows (laid out once per call in
+// pairs, as vdpbf16ps wants them), and tdpbf16ps into up to 4 fp32 C tiles of 16 x 16: weight rows
+// x rows of x, summed over all of k before they are stored. No dequantized copy of the weight
+// leaves L1 and nothing is reordered for a library GEMM.
+constexpr int64_t kAmxMaxRows = 64;     // 4 C tiles of 16 rows of x; more rows re-dequantize
+
+// Whether this process may use AMX tiles: the CPU has them (CPUID 7.0 EDX bits 22, 24) and Linux
+// grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). Asked once.
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x [m][k] as B tiles: [m / 16 blocks][k / 32][16 pairs of inputs][16 rows of x], each element a
+// pair of bf16 (one 32-bit word: inputs 2p, 2p + 1), rows past m zero.
+std::vector<uint32_t> x_as_b_tiles(const at::BFloat16* x, int64_t m, int64_t k) {
+  const int64_t blocks = (m + 15) / 16, words = k / 2;
+  std::vector<uint32_t> xb(blocks * words * 16, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(x + r * k);
+    uint32_t* dst = xb.data() + r / 16 * words * 16 + r % 16;
+    for (int64_t i = 0; i < words; ++i) dst[i * 16] = row[i];     // word i: chunk i / 16, pair i % 16
+  }
+  return xb;
+}
+
+// The 16 weight rows of tiles [t0, t0 + 4) at inputs [c, c + 32) into a as bf16 [16][32] (rows past the last tile zero).
+template <typename I>
+inline void dequantize_a_tile(const Tiles& w, int64_t t0, const TileScales* s, int64_t c, at::BFloat16* a) {
+  for (int tt = 0; tt < 4; ++tt) {
+    const int64_t t = t0 + tt;
+    if (t >= w.tiles) {
+      std::fill_n(a + tt * kTileRows * 32, kTileRows * 32, at::BFloat16(0.f));
+      continue;
+    }
+    const uint8_t* q = w.ints(w.tile(t));
+    for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q + (c / I::kGroup + h) * kTileRows * I::kBytes);
+    for (int i = 0; i < kTileRows; ++i) {
+      Vec d[2];
+      UNROLL
+      for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q, s[tt], c / I::kGroup + h, i, d + h * I::kVecs);
+      _mm512_storeu_si512(a + (tt * kTileRows + i) * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(d[1], d[0])));
+    }
+  }
+}
+
+// NB blocks of 16 rows of x (from block j0) against the 16 weight rows of tiles [t0, t0 + 4), into out.
+template <typename I, int NB>
+void amx_block(const Tiles& w, int64_t t0, const TileScales* s, const uint32_t* xb, int64_t m, int64_t j0,
+               at::BFloat16* a, float* c_out, float* out) {
+  const int64_t chunks = w.k / 32;
+  if constexpr (NB > 0) _tile_zero(2);
+  if constexpr (NB > 1) _tile_zero(3);
+  if constexpr (NB > 2) _tile_zero(4);
+  if constexpr (NB > 3) _tile_zero(5);
+  for (int64_t c = 0; c < chunks; ++c) {
+    dequantize_a_tile<I>(w, t0, s, c * 32, a);
+    _tile_loadd(0, a, 64);
+    const uint32_t* b = xb + (j0 * chunks + c) * 256;
+    if constexpr (NB > 0) { _tile_loadd(1, b, 64); _tile_dpbf16ps(2, 0, 1); }
+    if constexpr (NB > 1) { _tile_loadd(1, b + chunks * 256, 64); _tile_dpbf16ps(3, 0, 1); }
+    if constexpr (NB > 2) { _tile_loadd(1, b + 2 * chunks * 256, 64); _tile_dpbf16ps(4, 0, 1); }
+    if constexpr (NB > 3) { _tile_loadd(1, b + 3 * chunks * 256, 64); _tile_dpbf16ps(5, 0, 1); }
+  }
+  for (int j = 0; j < NB; ++j) {
+    switch (j) {
+      case 0: _tile_stored(2, c_out, 64); break;
+      case 1: _tile_stored(3, c_out, 64); break;
+      case 2: _tile_stored(4, c_out, 64); break;
+      default: _tile_stored(5, c_out, 64); break;
+    }
+    for (int i = 0; i < 16 && t0 * kTileRows + i < w.n; ++i)       // c_out [weight row i][row r of x]
+      for (int r = 0; r < 16 && (j0 + j) * 16 + r < m; ++r) out[((j0 + j) * 16 + r) * w.n + t0 * kTileRows + i] = c_out[i * 16 + r];
+  }
+}
+
+template <typename I>
+at::Tensor amx_bf16(const Tiles& w, const at::Tensor& x) {
+  const int64_t m = x.size(0), blocks = (m + 15) / 16;
+  const at::Tensor xc = x.contiguous();
+  const std::vector<uint32_t> xb = x_as_b_tiles(xc.data_ptr<at::BFloat16>(), m, w.k);
+  at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, (w.tiles + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
+    TileConfig cfg;
+    for (int t = 0; t < 6; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) at::BFloat16 a[16 * 32];
+    alignas(64) float c_out[16 * 16];
+    std::vector<float> sbuf(4 * 2 * w.scale_count());
+    TileScales s[4];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t t0 = blk * 4;
+      for (int tt = 0; tt < 4 && t0 + tt < w.tiles; ++tt) s[tt] = TileScales(w, w.tile(t0 + tt), sbuf.data() + tt * 2 * w.scale_count());
+      for (int64_t j0 = 0; j0 < blocks; j0 += 4) {
+        switch (std::min<int64_t>(4, blocks - j0)) {
+          case 4: amx_block<I, 4>(w, t0, s, xb.data(), m, j0, a, c_out, o); break;
+          case 3: amx_block<I, 3>(w, t0, s, xb.data(), m, j0, a, c_out, o); break;
+          case 2: amx_block<I, 2>(w, t0, s, xb.data(), m, j0, a, c_out, o); break;
+          default: amx_block<I, 1>(w, t0, s, xb.data(), m, j0, a, c_out, o); break;
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out.to(x.scalar_type());
+}
+#endif
+
 template <typename I>
 at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int64_t int8_rows) {
   const int64_t m = x.size(0);
   if (m >= min_dense_rows) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (x.scalar_type() == at::kBFloat16 && m <= kAmxMaxRows && w.k % 32 == 0 && amx_ready()) return amx_bf16<I>(w, x);
+#endif
     if (x.scalar_type() == at::kBFloat16) return dense_chunks<I, at::BFloat16>(w, x);
     if (x.scalar_type() == at::kHalf) return dense_chunks<I, at::Half>(w, x);
     return dense_chunks<I, float>(w, x);
