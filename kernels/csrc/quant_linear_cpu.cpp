@@ -672,35 +672,53 @@ inline void dequantize_a_tile(const Tiles& w, int64_t t0, const TileScales* s, i
   }
 }
 
+// c_out [16 weight rows][16 rows of x] (a stored C tile) into out [rows of x][n].
+inline void store_c(const float* c_out, const Tiles& w, int64_t t0, int64_t m, int64_t row0, float* out) {
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const int64_t n0 = t0 * kTileRows;
+  const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, w.n - n0)) - 1);
+  for (int r = 0; r < 16 && row0 + r < m; ++r)
+    _mm512_mask_storeu_ps(out + (row0 + r) * w.n + n0, valid, _mm512_i32gather_ps(column, c_out + r, 4));
+}
+
+// One 32-input chunk: the weight block (A tile KA) against NB blocks of x, into C tiles 2-5. B
+// tiles alternate between tmm1 and tmm7 (and A between tmm0 and tmm6, by chunk), so no load waits
+// for a product still reading the tile it overwrites. (Tile numbers must be literals.)
+#define KAITEN_AMX_CHUNK(KA)                                                             \
+  do {                                                                                   \
+    _tile_loadd(KA, a, 64);                                                              \
+    _tile_loadd(1, b, 64);                                                               \
+    _tile_dpbf16ps(2, KA, 1);                                                            \
+    if constexpr (NB > 1) { _tile_loadd(7, b + stride, 64); _tile_dpbf16ps(3, KA, 7); }      \
+    if constexpr (NB > 2) { _tile_loadd(1, b + 2 * stride, 64); _tile_dpbf16ps(4, KA, 1); }  \
+    if constexpr (NB > 3) { _tile_loadd(7, b + 3 * stride, 64); _tile_dpbf16ps(5, KA, 7); }  \
+  } while (0)
+
 // NB blocks of 16 rows of x (from block j0) against the 16 weight rows of tiles [t0, t0 + 4), into out.
 template <typename I, int NB>
 void amx_block(const Tiles& w, int64_t t0, const TileScales* s, const uint32_t* xb, int64_t m, int64_t j0,
-               at::BFloat16* a, float* c_out, float* out) {
-  const int64_t chunks = w.k / 32;
-  if constexpr (NB > 0) _tile_zero(2);
+               at::BFloat16 (*a2)[16 * 32], float* c_out, float* out) {
+  const int64_t chunks = w.k / 32, stride = chunks * 256;
+  _tile_zero(2);
   if constexpr (NB > 1) _tile_zero(3);
   if constexpr (NB > 2) _tile_zero(4);
   if constexpr (NB > 3) _tile_zero(5);
   for (int64_t c = 0; c < chunks; ++c) {
-    dequantize_a_tile<I>(w, t0, s, c * 32, a);
-    _tile_loadd(0, a, 64);
+    const at::BFloat16* a = a2[c % 2];
     const uint32_t* b = xb + (j0 * chunks + c) * 256;
-    if constexpr (NB > 0) { _tile_loadd(1, b, 64); _tile_dpbf16ps(2, 0, 1); }
-    if constexpr (NB > 1) { _tile_loadd(1, b + chunks * 256, 64); _tile_dpbf16ps(3, 0, 1); }
-    if constexpr (NB > 2) { _tile_loadd(1, b + 2 * chunks * 256, 64); _tile_dpbf16ps(4, 0, 1); }
-    if constexpr (NB > 3) { _tile_loadd(1, b + 3 * chunks * 256, 64); _tile_dpbf16ps(5, 0, 1); }
+    dequantize_a_tile<I>(w, t0, s, c * 32, a2[c % 2]);
+    if (c % 2 == 0)
+      KAITEN_AMX_CHUNK(0);
+    else
+      KAITEN_AMX_CHUNK(6);
   }
-  for (int j = 0; j < NB; ++j) {
-    switch (j) {
-      case 0: _tile_stored(2, c_out, 64); break;
-      case 1: _tile_stored(3, c_out, 64); break;
-      case 2: _tile_stored(4, c_out, 64); break;
-      default: _tile_stored(5, c_out, 64); break;
-    }
-    for (int i = 0; i < 16 && t0 * kTileRows + i < w.n; ++i)       // c_out [weight row i][row r of x]
-      for (int r = 0; r < 16 && (j0 + j) * 16 + r < m; ++r) out[((j0 + j) * 16 + r) * w.n + t0 * kTileRows + i] = c_out[i * 16 + r];
-  }
+  _tile_stored(2, c_out, 64);
+  store_c(c_out, w, t0, m, j0 * 16, out);
+  if constexpr (NB > 1) { _tile_stored(3, c_out, 64); store_c(c_out, w, t0, m, (j0 + 1) * 16, out); }
+  if constexpr (NB > 2) { _tile_stored(4, c_out, 64); store_c(c_out, w, t0, m, (j0 + 2) * 16, out); }
+  if constexpr (NB > 3) { _tile_stored(5, c_out, 64); store_c(c_out, w, t0, m, (j0 + 3) * 16, out); }
 }
+#undef KAITEN_AMX_CHUNK
 
 template <typename I>
 at::Tensor amx_bf16(const Tiles& w, const at::Tensor& x) {
@@ -711,12 +729,12 @@ at::Tensor amx_bf16(const Tiles& w, const at::Tensor& x) {
   float* o = out.data_ptr<float>();
   at::parallel_for(0, (w.tiles + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
     TileConfig cfg;
-    for (int t = 0; t < 6; ++t) {
+    for (int t = 0; t < 8; ++t) {
       cfg.rows[t] = 16;
       cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-    alignas(64) at::BFloat16 a[16 * 32];
+    alignas(64) at::BFloat16 a[2][16 * 32];
     alignas(64) float c_out[16 * 16];
     std::vector<float> sbuf(4 * 2 * w.scale_count());
     TileScales s[4];
