@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,10 +65,7 @@ def main() -> None:
             f"kaiten_{kind}", [sys.executable, "-m", "shared.cli", "serve", "--port", str(port), "--model", gguf,
                                "--quantization", "auto", "--log-level", "WARNING"],
             "/ready", port, tokenizer_dir, args)
-        port = free_port()
-        runs["llama-server"] = serve_and_bench(
-            f"llamacpp_{kind}", ["bash", args.llama_peer, "serve", gguf, str(port)], "/health", port,
-            tokenizer_dir, args)
+        runs["llama-server"] = llama_server_runs(kind, gguf, tokenizer_dir, args)
         report["files"][kind] = runs
     report["load_avg_after"] = load_avg()
     out = Path(args.out)
@@ -76,13 +74,26 @@ def main() -> None:
     print(markdown(report, args.concurrency))
 
 
+def llama_server_runs(kind: str, gguf: str, tokenizer_dir: str, args) -> dict:
+    """llama-server's runs; where its AMX weight repacking dies on an illegal instruction (a 2-core
+    Xeon VM with AMX), again with --no-repack, which the result names."""
+    for flags in ([], ["--no-repack"]):
+        port = free_port()
+        runs = serve_and_bench(f"llamacpp_{kind}", ["bash", args.llama_peer, "serve", gguf, str(port), *flags],
+                               "/health", port, tokenizer_dir, args)
+        if f"exited with {-signal.SIGILL} " not in runs.get("error", ""):
+            return runs | {"flags": flags}
+    return runs | {"flags": flags}
+
+
 def markdown(rep: dict, concurrency: list[int]) -> str:
     lines = [
         "# Served on the same GGUF: `vllm bench serve` against `kaiten serve` and `llama-server`\n",
         f"CPU: {rep['cpu']} ({rep['cores']} cores; flags: {rep['flags']}). Load average "
         f"{rep['load_avg_before']} before, {rep['load_avg_after']} after. Client: random {rep['input_len']}-token "
         f"prompts, {rep['output_len']} output tokens, ignore_eos, greedy; {rep['num_prompts']} prompts per run "
-        f"({rep['num_prompts_single']} at concurrency 1). llama-server: 32 slots (-np 32 -c 16384).\n",
+        f"({rep['num_prompts_single']} at concurrency 1). llama-server: 32 slots (-np 32 -c 16384)"
+        f"{no_repack_note(rep)}.\n",
         "| file | concurrency | server | completed | failed | output tok/s | Kaiten / llama.cpp | TTFT p50 ms "
         "| TPOT p50 ms |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -93,6 +104,12 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
             lines += pair_rows(f"{kind} | {c}", k.get(str(c), k), ll.get(str(c), ll), ("kaiten serve", "llama-server"),
                                ("median_ttft_ms", "median_tpot_ms"))
     return "\n".join(lines) + "\n"
+
+
+def no_repack_note(rep: dict) -> str:
+    kinds = [kind for kind, runs in rep["files"].items() if runs.get("llama-server", {}).get("flags")]
+    return (f", with --no-repack for {', '.join(kinds)} (its AMX weight repacking died on an illegal instruction "
+            "here)") if kinds else ""
 
 
 if __name__ == "__main__":

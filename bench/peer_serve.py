@@ -134,13 +134,27 @@ def main() -> None:
                    "--log-level", "WARNING"]
             report["systems"]["kaiten"] = serve_and_bench("kaiten", cmd, "/ready", port, model, args)
         else:
-            cmd = ["bash", args.peer, "serve", model, str(port)]
-            report["systems"]["vllm"] = serve_and_bench("vllm", cmd, "/v1/models", port, model, args)
+            with tempfile.TemporaryDirectory() as tmp:
+                cmd = ["bash", args.peer, "serve", hf_view(model, Path(tmp)), str(port)]
+                report["systems"]["vllm"] = serve_and_bench("vllm", cmd, "/v1/models", port, model, args)
     report["load_avg_after"] = load_avg()
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     out.with_suffix(".md").write_text(markdown(report, args.concurrency))
     print(markdown(report, args.concurrency))
+
+
+def hf_view(model_dir: str, tmp: Path) -> str:
+    """The model folder as a Hugging Face one, for vLLM: links to its files in tmp/<its name>, less
+    the GGUF's matrices as stored (shared.gguf_convert.QUANTIZED_FILE), which vLLM would load as
+    weights of the model ("no parameter named 'embed_tokens.qweight'")."""
+    from shared.gguf_convert import QUANTIZED_FILE
+    view = tmp / Path(model_dir).name
+    view.mkdir()
+    for f in Path(model_dir).iterdir():
+        if f.name != QUANTIZED_FILE:
+            (view / f.name).symlink_to(f.resolve())
+    return str(view)
 
 
 def markdown(rep: dict, concurrency: list[int]) -> str:
