@@ -1,6 +1,7 @@
 """Served, on the same GGUF file: the stock `vllm bench serve` client against `kaiten serve`
 (--quantization auto: the file's matrices multiplied as stored) and llama.cpp's `llama-server`,
-one after the other, in one run, for the default model's Q4_1 file and its Q8_0 requantization.
+both up together and measured in interleaved rounds (bench/peer_serve.py), for the default
+model's Q4_1 file and its Q8_0 requantization.
 
     .venv/bin/python bench/peer_llamacpp.py                      # Q4_1 and Q8_0, concurrency 1 and 32
     .venv/bin/python bench/peer_llamacpp.py --files q4_1 --concurrency 1
@@ -25,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.peer_offline import DEFAULT_PEER  # noqa: E402
-from bench.peer_serve import RESULTS, pair_rows, serve_and_bench  # noqa: E402
+from bench.peer_serve import (RESULTS, Server, interleaved_runs, pair_rows, rounds_note, start_server,  # noqa: E402
+                              stop_server)
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
 from shared.launcher import free_port  # noqa: E402
 
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--peer", default=os.environ.get("VLLM_PEER", str(DEFAULT_PEER)), help="the client's script")
     ap.add_argument("--llama-peer", default=os.environ.get("LLAMA_PEER", str(LLAMA_PEER)))
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the tables give medians")
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(RESULTS / "peer_llamacpp"))
@@ -55,18 +58,11 @@ def main() -> None:
     subprocess.run(["bash", args.llama_peer, "setup"], check=True, capture_output=True)
     report = {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": " ".join(cpu_flags()), "load_avg_before": load_avg(),
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
-              "num_prompts_single": args.num_prompts_single, "files": {}}
+              "num_prompts_single": args.num_prompts_single, "rounds": args.rounds, "files": {}}
     for kind in args.files.split(","):
         gguf = gguf_path(Path(args.llama_peer), kind)
         tokenizer_dir = str(ensure_converted_gguf(Path(gguf)))     # the client's tokenizer; converted once
-        runs = {}
-        port = free_port()
-        runs["kaiten"] = serve_and_bench(
-            f"kaiten_{kind}", [sys.executable, "-m", "shared.cli", "serve", "--port", str(port), "--model", gguf,
-                               "--quantization", "auto", "--log-level", "WARNING"],
-            "/ready", port, tokenizer_dir, args)
-        runs["llama-server"] = llama_server_runs(kind, gguf, tokenizer_dir, args)
-        report["files"][kind] = runs
+        report["files"][kind] = file_runs(kind, gguf, tokenizer_dir, args)
     report["load_avg_after"] = load_avg()
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
@@ -74,16 +70,39 @@ def main() -> None:
     print(markdown(report, args.concurrency))
 
 
-def llama_server_runs(kind: str, gguf: str, tokenizer_dir: str, args) -> dict:
-    """llama-server's runs; where its AMX weight repacking dies on an illegal instruction (a 2-core
-    Xeon VM with AMX), again with --no-repack, which the result names."""
+def file_runs(kind: str, gguf: str, tokenizer_dir: str, args) -> dict:
+    """Both servers on one GGUF file, up together, measured in interleaved rounds."""
+    runs, servers = {}, {}
+    port = free_port()
+    try:
+        servers["kaiten"] = start_server(
+            f"kaiten_{kind}", [sys.executable, "-m", "shared.cli", "serve", "--port", str(port), "--model", gguf,
+                               "--quantization", "auto", "--log-level", "WARNING"],
+            "/ready", port, tokenizer_dir, args)
+    except (RuntimeError, OSError) as e:
+        runs["kaiten"] = {"error": str(e)}
+    try:
+        servers["llama-server"], runs["flags"] = start_llama_server(kind, gguf, tokenizer_dir, args)
+    except (RuntimeError, OSError) as e:
+        runs["llama-server"] = {"error": str(e)}
+    try:
+        return runs | interleaved_runs(servers, args.concurrency, args)
+    finally:
+        for server in servers.values():
+            stop_server(server)
+
+
+def start_llama_server(kind: str, gguf: str, tokenizer_dir: str, args) -> tuple[Server, list[str]]:
+    """llama-server up, and its extra flags: where its AMX weight repacking dies on an illegal
+    instruction (a 2-core Xeon VM with AMX), again with --no-repack."""
     for flags in ([], ["--no-repack"]):
         port = free_port()
-        runs = serve_and_bench(f"llamacpp_{kind}", ["bash", args.llama_peer, "serve", gguf, str(port), *flags],
-                               "/health", port, tokenizer_dir, args)
-        if f"exited with {-signal.SIGILL} " not in runs.get("error", ""):
-            return runs | {"flags": flags}
-    return runs | {"flags": flags}
+        try:
+            return start_server(f"llamacpp_{kind}", ["bash", args.llama_peer, "serve", gguf, str(port), *flags],
+                                "/health", port, tokenizer_dir, args), flags
+        except RuntimeError as e:
+            if flags or f"exited with {-signal.SIGILL} " not in str(e):
+                raise
 
 
 def markdown(rep: dict, concurrency: list[int]) -> str:
@@ -93,7 +112,7 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
         f"{rep['load_avg_before']} before, {rep['load_avg_after']} after. Client: random {rep['input_len']}-token "
         f"prompts, {rep['output_len']} output tokens, ignore_eos, greedy; {rep['num_prompts']} prompts per run "
         f"({rep['num_prompts_single']} at concurrency 1). llama-server: 32 slots (-np 32 -c 16384)"
-        f"{no_repack_note(rep)}.\n",
+        f"{no_repack_note(rep)}. {rounds_note(rep)}\n",
         "| file | concurrency | server | completed | failed | output tok/s | Kaiten / llama.cpp | TTFT p50 ms "
         "| TPOT p50 ms |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -107,7 +126,7 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
 
 
 def no_repack_note(rep: dict) -> str:
-    kinds = [kind for kind, runs in rep["files"].items() if runs.get("llama-server", {}).get("flags")]
+    kinds = [kind for kind, runs in rep["files"].items() if runs.get("flags")]
     return (f", with --no-repack for {', '.join(kinds)} (its AMX weight repacking died on an illegal instruction "
             "here)") if kinds else ""
 

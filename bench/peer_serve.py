@@ -1,5 +1,6 @@
 """Served throughput and latency: the stock `vllm bench serve` client against `kaiten up` and against
-`vllm serve`, with the same flags, one after the other, in one run.
+`vllm serve`, with the same flags, in one run: both servers up together, measured in interleaved
+rounds (the order reversed every other round), medians reported.
 
     .venv/bin/python bench/peer_serve.py                      # concurrency 1 and 32
     .venv/bin/python bench/peer_serve.py --concurrency 1,8,32 --num-prompts 64
@@ -12,15 +13,19 @@ greedy. Writes bench/results/peer_serve.{md,json}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -60,12 +65,12 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def bench_client(peer: str, url: str, name: str, model: str, concurrency: int, num_prompts: int,
-                 args) -> dict:
+                 args, seed: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = ["bash", peer, "bench", url, name, model, "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                "--num-prompts", str(num_prompts), "--ignore-eos", "--temperature", "0",
-               "--request-rate", "inf", "--max-concurrency", str(concurrency), "--seed", "1",
+               "--request-rate", "inf", "--max-concurrency", str(concurrency), "--seed", str(seed),
                "--save-result", "--result-dir", tmp, "--result-filename", "r.json"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         out = Path(tmp) / "r.json"
@@ -85,24 +90,73 @@ def warm_up(url: str, name: str) -> None:
         resp.read()
 
 
-def serve_and_bench(system: str, cmd: list[str], ready_path: str, port: int, model: str, args) -> dict:
-    log = open(RESULTS / f".peer_serve_{system}.log", "w")
+@dataclass(slots=True)
+class Server:
+    """A server under test, up and warmed: where the client finds it and what it serves."""
+    label: str
+    url: str
+    tokenizer: str          # the model folder the client tokenizes with; its name is the served name
+    proc: subprocess.Popen
+    log: IO
+
+
+def start_server(label: str, cmd: list[str], ready_path: str, port: int, tokenizer: str, args) -> Server:
+    """Starts `cmd`, waits until `ready_path` answers and sends one untimed request; stops it and
+    raises RuntimeError or OSError (a timeout, the warm-up refused) where it does not come up."""
+    log = open(RESULTS / f".peer_serve_{label}.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    results = {}
+    server = Server(label, f"http://127.0.0.1:{port}", tokenizer, proc, log)
     try:
-        wait_http(f"http://127.0.0.1:{port}{ready_path}", proc, args.ready_timeout)
-        name = Path(model).name
-        warm_up(f"http://127.0.0.1:{port}", name)
-        for c in args.concurrency:
+        wait_http(server.url + ready_path, proc, args.ready_timeout)
+        warm_up(server.url, Path(tokenizer).name)
+    except (RuntimeError, OSError):
+        stop_server(server)
+        raise
+    return server
+
+
+def stop_server(server: Server) -> None:
+    stop(server.proc)
+    server.log.close()
+
+
+def interleaved_runs(servers: dict[str, Server], concurrency: list[int], args) -> dict[str, dict]:
+    """args.rounds rounds; in each, every concurrency against every server, the servers' order
+    reversed every other round, so that a machine's drift in speed (a shared VM's is up to 2x over
+    minutes) falls on both alike. All servers stay up throughout, idle while another is measured.
+    Every run has prompts of its own (the client's seed), the same for every server: a prompt seen
+    before would be served from the prefix cache. Returns {server: {concurrency: summary}} (summarize)."""
+    runs = {s: {c: [] for c in concurrency} for s in servers}
+    for r in range(args.rounds):
+        for i, c in enumerate(concurrency):
             n = args.num_prompts if c > 1 else args.num_prompts_single
-            results[str(c)] = bench_client(args.peer, f"http://127.0.0.1:{port}", name, model, c, n, args)
-            print(f"{system} concurrency {c}: {results[str(c)]}", flush=True)
-    except (RuntimeError, OSError) as e:      # OSError: a timeout, or the warm-up refused
-        results = {"error": str(e)}
-    finally:
-        stop(proc)
-        log.close()
-    return results
+            seed = 1 + r * len(concurrency) + i
+            for s in (list(servers) if r % 2 == 0 else list(reversed(servers))):
+                srv = servers[s]
+                runs[s][c].append(bench_client(args.peer, srv.url, Path(srv.tokenizer).name, srv.tokenizer,
+                                               c, n, args, seed))
+                print(f"round {r + 1}: {srv.label} concurrency {c}: {runs[s][c][-1]}", flush=True)
+    return {s: {str(c): summarize(runs[s][c]) for c in concurrency} for s in servers}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Each metric's median over the runs that finished, completed and failed summed, and the runs."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[0]["error"], "runs": runs}
+    out = {k: statistics.median(r[k] for r in ok if r.get(k) is not None) for k in METRICS
+           if any(r.get(k) is not None for r in ok)}
+    out["completed"] = sum(r.get("completed") or 0 for r in ok)
+    out["failed"] = sum(r.get("failed") or 0 for r in ok)
+    return out | {"runs": runs}
+
+
+def paired_ratio(ours: dict, theirs: dict) -> float | None:
+    """The median over rounds of ours' output tok/s over theirs' in the same round."""
+    pairs = [a["output_throughput"] / b["output_throughput"]
+             for a, b in zip(ours.get("runs", []), theirs.get("runs", []))
+             if a.get("output_throughput") and b.get("output_throughput")]
+    return statistics.median(pairs) if pairs else None
 
 
 def main() -> None:
@@ -115,6 +169,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--peer", default=os.environ.get("VLLM_PEER", str(DEFAULT_PEER)))
     ap.add_argument("--systems", default="kaiten,vllm")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the tables give medians")
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(RESULTS / "peer_serve"))
@@ -126,17 +181,25 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     report = {"cpu": cpu_name(), "cores": os.cpu_count(), "load_avg_before": load_avg(),
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
-              "num_prompts_single": args.num_prompts_single, "systems": {}}
-    for system in args.systems.split(","):
-        port = free_port()
-        if system == "kaiten":
-            cmd = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--model", model,
-                   "--log-level", "WARNING"]
-            report["systems"]["kaiten"] = serve_and_bench("kaiten", cmd, "/ready", port, model, args)
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
+              "num_prompts_single": args.num_prompts_single, "rounds": args.rounds, "systems": {}}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        servers = {}
+        for system in args.systems.split(","):
+            port = free_port()
+            if system == "kaiten":
+                cmd = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--model", model,
+                       "--log-level", "WARNING"]
+                ready = "/ready"
+            else:
                 cmd = ["bash", args.peer, "serve", hf_view(model, Path(tmp)), str(port)]
-                report["systems"]["vllm"] = serve_and_bench("vllm", cmd, "/v1/models", port, model, args)
+                ready = "/v1/models"
+            try:
+                servers[system] = start_server(system, cmd, ready, port, model, args)
+            except (RuntimeError, OSError) as e:
+                report["systems"][system] = {"error": str(e)}
+                continue
+            stack.callback(stop_server, servers[system])
+        report["systems"] |= interleaved_runs(servers, args.concurrency, args)
     report["load_avg_after"] = load_avg()
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
@@ -163,7 +226,7 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
         f"CPU: {rep['cpu']} ({rep['cores']} cores). Load average {rep['load_avg_before']} before, "
         f"{rep['load_avg_after']} after. Client: random {rep['input_len']}-token prompts, "
         f"{rep['output_len']} output tokens, ignore_eos, greedy; {rep['num_prompts']} prompts per run "
-        f"({rep['num_prompts_single']} at concurrency 1).\n",
+        f"({rep['num_prompts_single']} at concurrency 1). {rounds_note(rep)}\n",
         "| concurrency | system | completed | failed | output tok/s | Kaiten / vLLM | TTFT p50 ms | TTFT p99 ms "
         "| TPOT p50 ms | ITL p50 ms |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -176,12 +239,17 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rounds_note(rep: dict) -> str:
+    return (f"Both servers up throughout, {rep.get('rounds', 1)} interleaved rounds (the order reversed every "
+            "other round); each cell is the median over rounds, completed and failed are totals, and the "
+            "ratio is the median of the rounds' ratios.")
+
+
 def pair_rows(lead: str, ours: dict, theirs: dict, names: tuple[str, str], keys: tuple[str, ...]) -> list[str]:
-    """A results table's rows for one run of each server: the `lead` cells, the name, completed,
-    failed, output tok/s, ours / theirs (on our row), then the `keys`."""
-    ratio = ""
-    if ours.get("output_throughput") and theirs.get("output_throughput"):
-        ratio = f"**{ours['output_throughput'] / theirs['output_throughput']:.2f}x**"
+    """A results table's rows for two servers (summarize's records): the `lead` cells, the name,
+    completed, failed, output tok/s, ours / theirs (paired_ratio, on our row), then the `keys`."""
+    r = paired_ratio(ours, theirs)
+    ratio = "" if r is None else f"**{r:.2f}x**"
     rows = []
     for name, r in zip(names, (ours, theirs)):
         if not r or "error" in r:

@@ -1,5 +1,6 @@
-"""Weight-only quantized projections on SmolLM2-135M's shapes: kaiten_cpu::quant_linear (its two
-methods: fp32 registers, dequantized chunks into at::mm) against the dense PackedLinear (oneDNN) in the same
+"""Weight-only quantized projections on SmolLM2-135M's shapes: kaiten_cpu::quant_linear (its
+methods: registers with x exact, int8 activations where the build has them, dequantized chunks
+into at::mm) against the dense PackedLinear (oneDNN) in the same
 dtype and PyTorch's own aten._weight_int4pack_mm_for_cpu / aten._weight_int8pack_mm (bf16 x).
 
 Each shape is timed as 30 copies (one per layer; the output layer once), so the weights stream
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from engine_worker.model.llama import PackedLinear  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
-from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_attention import cpu_capability, int8_activations_built, load_extension  # noqa: E402
 from shared.gguf_quant import PackedWeight, repack  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,6 +53,9 @@ def methods(fmt: str, weights: list[PackedWeight], dense: list[PackedLinear], m:
                                               for q in layers],
            "quant_linear chunks+mm": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.tiles, *q.op_args, 0)
                                               for q in layers]}
+    if int8_activations_built():
+        out["quant_linear int8 activations"] = lambda: [
+            torch.ops.kaiten_cpu.quant_linear(x, q.tiles, *q.op_args, NEVER, NEVER) for q in layers]
     q = [{name: torch.from_numpy(getattr(p, name)) for name in ("qweight", "scales", "mins")
           if getattr(p, name) is not None} for p in weights]
     if fmt == "Q4_1":   # aten int4: values 0..15 with (q - 8) * scale + zero, zero = min + 8 scale
@@ -101,13 +105,14 @@ def main() -> int:
     for fmt in args.formats.split(","):
         for label in args.shapes.split(","):
             n, k, copies = SHAPES[label]
-            lines += [f"\n## {fmt} {label} x{copies}\n", "| rows | " + " | ".join(
-                [f"{args.dtype} oneDNN", "registers", "chunks+mm", "aten (bf16 x)"]) + " |", "|---:|---:|---:|---:|---:|"]
+            lines.append(f"\n## {fmt} {label} x{copies}\n")
             weights = [quantized(fmt, n, k, seed) for seed in range(copies)]
             dense = [PackedLinear(torch.from_numpy(p.dequantize()).to(dtype), None) for p in weights]
             for m in (int(r) for r in args.rows.split(",")):
                 t = measure(methods(fmt, weights, dense, m, dtype), args.rounds)
                 base = t["oneDNN (dequantized)"]
+                if not lines[-1].startswith("|"):
+                    lines += ["| rows | " + " | ".join(t) + " |", "|---:|" + "---:|" * len(t)]
                 cells = [f"{v:.3f} ({base / v:.2f}x)" for v in t.values()]
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
                 print(fmt, label, m, " ".join(f"{k}={v:.3f}" for k, v in t.items()), flush=True)

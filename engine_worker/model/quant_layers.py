@@ -32,9 +32,13 @@ from shared.gguf_quant import PackedWeight
 # kept at 64 until a CPU with Intel's MKL path is measured).
 MIN_DENSE_ROWS = {torch.bfloat16: 12 if torch.cpu._is_amx_tile_supported() else 96, torch.float32: 64}
 # Rows of x up to which quant_linear multiplies int8-rounded activations by the stored integers
-# (llama.cpp's way; a build with AVX512-VNNI, else the exact fp32-register method). Same Xeon,
-# int8 / exact time, Q4_1 and Q8_0 projections: fp32 x 0.62x and 0.84x at one row; bf16 x (the
-# bf16 dot products from 3 rows) 0.87x and 0.94x at 1 row, 0.55x and 0.63x at 4, 0.78x and 0.75x at 16.
+# (llama.cpp's way; AVX-512 and AVX2 builds, vpdpbusd where the CPU has AVX512-VNNI, else
+# vpmaddubsw and vpmaddwd). 2-core Xeon with AMX, int8 / exact time, Q4_1 and Q8_0 projections:
+# VNNI, fp32 x 0.62x and 0.84x at one row; bf16 x (the bf16 dot products from 3 rows) 0.87x and
+# 0.94x at 1 row, 0.55x and 0.63x at 4, 0.78x and 0.75x at 16. The same Xeon, fp32 x against the
+# fp32 registers, gate_up and down (bench/quant_linear.py --rows 1,4,16): the AVX2 build Q4_1
+# 0.63-0.78x at 1 to 16 rows, Q8_0 0.88x at one row, 0.95-1.09x at 4 and 16; the AVX-512 build
+# without VNNI Q4_1 0.69-0.84x, Q8_0 0.92-1.0x.
 INT8_ROWS = 16
 
 class QuantLinear(nn.Module):

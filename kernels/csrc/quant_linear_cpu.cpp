@@ -15,10 +15,11 @@
 //   once a dequantized weight is reused by enough rows. bf16 x of up to kAmxMaxRows rows on a CPU
 //   with AMX: each 16 x 32 block of the weight dequantized to bf16 into a tile, multiplied by
 //   tdpbf16ps into fp32 tiles (amx_bf16).
-// * m <= int8_rows, in an AVX512-VNNI build: *int8 activations*, as llama.cpp computes: x rounded
-//   to int8 per block of 32, integer dot products with the stored integers (vpdpbusd, 64 byte
-//   products an instruction), scaled per group in fp32 (int8_block). x is inexact (about 1% of the
-//   output's norm), the fewest instructions per weight.
+// * m <= int8_rows, in an AVX-512 or AVX2 build: *int8 activations*, as llama.cpp computes: x
+//   rounded to int8 per block of 32, integer dot products with the stored integers (vpdpbusd with
+//   AVX512-VNNI, 64 byte products an instruction; else vpmaddubsw and vpmaddwd), scaled per group
+//   in fp32 (int8_block). x is inexact (about 1% of the output's norm), the fewest instructions
+//   per weight.
 // * else (but for the bf16 case below) in fp32 registers, with x exact, up to 4 rows of x meeting a tile while it is in L1 (its
 //   scales widened once for them). With few rows, per group, the dot product of x with the stored
 //   integers (widened to fp32) is scaled once: y = sum_g scale_g * (x_g . q_g) + sum_g min_g *
@@ -427,29 +428,109 @@ void bf16_registers(const Tiles& w, const at::BFloat16* x, int64_t m, float* out
 }
 #endif
 
-#if defined(__AVX512VNNI__)
-// int8 activations (llama.cpp's way), AVX512-VNNI: each row of x quantized once per call to int8
-// per block of 32 (scale amax / 127, nearest even), its integers multiplied with the stored ones by
-// vpdpbusd (64 unsigned x signed byte products, summed by 4 into 16 int32 lanes). The 4 weight
-// rows of a tile's group load as one vector (16 bytes a row: int4, int8 groups of 16) or two
-// (int8 groups of 32), so each lane holds one weight row's part of the group's dot and takes that
-// row's scale: per group, the dots to fp32, times the rows' scales and x's block scale, into fp32
-// accumulators, and the mins times the rounded x's group sums: so the result is the exact weight
-// times the rounded x, whose error is the weight's (centred) times x's rounding. (Mins times x's
-// exact sums leave the integers' (0 to 15) times the rounding: SmolLM2's Q4_1 perplexity with every
-// row so was 18.53 against 18.30 exact.) int8 weights are signed: they meet x as w + 128
-// (unsigned), less 128 times x's bytes, the dot's starting value.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#define KAITEN_INT8_ACTIVATIONS 1
+// int8 activations (llama.cpp's way): each row of x quantized once per call to int8 per block of 32
+// (scale amax / 127, nearest even), its integers multiplied with the stored ones as unsigned x
+// signed bytes, summed by 4 into int32 lanes: by vpdpbusd with AVX512-VNNI (64 products an
+// instruction), else by vpmaddubsw and vpmaddwd (pairs into int16, then into int32). The 4 weight
+// rows of a tile's group load as whole vectors (16 bytes a row: int4, int8 groups of 16; else 32),
+// so each lane holds one weight row's part of the group's dot and takes that row's scale: per
+// group, the dots to fp32, times the rows' scales and x's block scale, into fp32 accumulators, and
+// the mins times the rounded x's group sums: so the result is the exact weight times the rounded
+// x, whose error is the weight's (centred) times x's rounding. (Mins times x's exact sums leave the
+// integers' (0 to 15) times the rounding: SmolLM2's Q4_1 perplexity with every row so was 18.53
+// against 18.30 exact.) int8 weights are signed: with VNNI they meet x as w + 128 (unsigned), less
+// 128 times x's bytes, the dot's starting value; without, as |w| against x times w's sign, so that
+// a pair's sum fits int16 (128 * 127 * 2).
 struct Int8Rows {
   int64_t k, groups;
   std::vector<int8_t> q;      // [m][k]
   std::vector<float> d;       // [m][k / 32]: x ~ q * d
   std::vector<float> sums;    // [m][groups]: sums of the rounded x over the weight's groups (with mins)
-  std::vector<int32_t> corr;  // [m][groups][16]: -128 * the 4 bytes of x each lane meets (int8)
+  std::vector<int32_t> corr;  // VNNI, int8 weights: [m][groups][kIntLanes]: -128 * the 4 bytes of x each lane meets
 };
 
+#if defined(CPU_CAPABILITY_AVX512)
+using IVec = __m512i;
+inline IVec iload(const void* p) { return _mm512_loadu_si512(p); }
+inline IVec low_nibbles(IVec b) { return _mm512_and_si512(b, _mm512_set1_epi8(0x0F)); }
+inline IVec high_nibbles(IVec b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F)); }
 // x's bytes of a group as each weight row meets them: 16 bytes in every 128-bit lane, or 32 in both halves.
-inline __m512i bcast16(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m512i bcast32(const int8_t* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline IVec bcast16(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline IVec bcast32(const int8_t* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec to_float(IVec v) { return Vec(_mm512_cvtepi32_ps(v)); }
+// Lane l of v4's 4 values as lanes[l], l < 16.
+inline Vec spread4(__m128 v4, IVec lanes) { return Vec(_mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(v4))); }
+#else
+using IVec = __m256i;
+inline IVec iload(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec low_nibbles(IVec b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0F)); }
+inline IVec high_nibbles(IVec b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F)); }
+inline IVec bcast16(const int8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline IVec bcast32(const int8_t* p) { return iload(p); }
+inline Vec to_float(IVec v) { return Vec(_mm256_cvtepi32_ps(v)); }
+inline Vec spread4(__m128 v4, IVec lanes) { return Vec(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(v4), lanes)); }
+#endif
+constexpr int kIntLanes = sizeof(IVec) / 4;
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// Each int32 lane's dot of unsigned bytes u0 with signed s0 and u1 with s1 (4 each), where every
+// product of u and s is at most 15 * 127 (int4 weights against x).
+inline IVec dot_u4(IVec u0, IVec s0, IVec u1, IVec s1) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, s0), u1, s1);
+#elif defined(CPU_CAPABILITY_AVX512)
+  return _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(u0, s0), _mm512_maddubs_epi16(u1, s1)), _mm512_set1_epi16(1));
+#else
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)), _mm256_set1_epi16(1));
+#endif
+}
+
+// Each int32 lane's dot of signed bytes w (int8 weights) with signed x (4 each), from acc (VNNI's corr).
+inline IVec dot_s8(IVec acc, IVec w, IVec x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), x);
+#elif defined(CPU_CAPABILITY_AVX512)
+  const IVec sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx), _mm512_set1_epi16(1)));
+#else
+  const IVec p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
+// 32 floats of x times inv, rounded to nearest even, into q (|x * inv| <= 127).
+inline void round_block(const float* x, float inv, int8_t* q) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 s = _mm512_set1_ps(inv);
+  UNROLL
+  for (int h = 0; h < 2; ++h)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * h), s))));
+#else
+  const __m256 s = _mm256_set1_ps(inv);
+  __m256i v[4];
+  UNROLL
+  for (int h = 0; h < 4; ++h) v[h] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * h), s));
+  // packs work within 128-bit halves: the bytes come out as 4-byte runs 0, 2, 4, 6, 1, 3, 5, 7
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#endif
+}
+
+inline float block_amax(const float* x) {
+  Vec m = Vec::loadu(x).abs();
+  UNROLL
+  for (int j = 1; j < 32 / VL; ++j) m = at::vec::maximum(m, Vec::loadu(x + j * VL).abs());
+  float lanes[VL];
+  m.store(lanes);
+  return *std::max_element(lanes, lanes + VL);
+}
 
 // The 4 rows' scales (or mins) of group g, fp16 or fp32, as fp32.
 inline __m128 load4(const uint8_t* p, int bytes, int64_t g) {
@@ -460,28 +541,27 @@ inline __m128 load4(const uint8_t* p, int bytes, int64_t g) {
 template <typename I>
 Int8Rows quantize_rows(const Tiles& w, const float* x, int64_t m) {
   constexpr int G = I::kGroup;
+  constexpr bool kCorr = !I::kInt4 && kVnni;
   Int8Rows r{w.k, w.groups, std::vector<int8_t>(m * w.k), std::vector<float>(m * w.k / 32),
-             std::vector<float>(w.has_mins ? m * w.groups : 0), std::vector<int32_t>(I::kInt4 ? 0 : m * w.groups * 16)};
+             std::vector<float>(w.has_mins ? m * w.groups : 0), std::vector<int32_t>(kCorr ? m * w.groups * kIntLanes : 0)};
   for (int64_t b = 0; b < m * w.k / 32; ++b) {
-    const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float amax = block_amax(x + b * 32);
     r.d[b] = amax / 127.f;
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    int8_t* q = r.q.data() + b * 32;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+    round_block(x + b * 32, amax > 0.f ? 127.f / amax : 0.f, r.q.data() + b * 32);
   }
   for (int64_t i = 0; i < static_cast<int64_t>(r.sums.size()); ++i) {
     int32_t sum = 0;
     for (int j = 0; j < G; ++j) sum += r.q[i * G + j];
     r.sums[i] = static_cast<float>(sum) * r.d[i * G / 32];
   }
+#if defined(__AVX512VNNI__)
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
-  for (int64_t i = 0; i < static_cast<int64_t>(r.corr.size()) / 16; ++i) {
+  for (int64_t i = 0; i < static_cast<int64_t>(r.corr.size()) / kIntLanes; ++i) {
     const int8_t* xg = r.q.data() + i * G;
     const __m512i xb = G == 32 ? bcast32(xg) : bcast16(xg);
-    _mm512_storeu_si512(r.corr.data() + i * 16, _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, xb)));
+    _mm512_storeu_si512(r.corr.data() + i * kIntLanes, _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, xb)));
   }
+#endif
   return r;
 }
 
@@ -489,71 +569,68 @@ Int8Rows quantize_rows(const Tiles& w, const float* x, int64_t m) {
 template <typename I, int R>
 inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, int64_t r0, float (*y)[kTileRows]) {
   constexpr int G = I::kGroup;
-  constexpr int NZ = (!I::kInt4 && G == 32) ? 2 : 1;     // vectors of a group's 4 rows: 4 lanes a row, or 8
+  constexpr int NZ = kTileRows * I::kBytes / sizeof(IVec);   // vectors of a group's 4 rows
+  constexpr int L = kIntLanes * NZ / kTileRows;              // lanes of a row
   const uint8_t* mins = w.has_mins ? tile + w.scale_count() * w.scale_bytes : nullptr;
   const uint8_t* q = w.ints(tile);
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i row_of_lane[NZ];
+  IVec row_of_lane[NZ];
   UNROLL
-  for (int j = 0; j < NZ; ++j)
-    row_of_lane[j] = NZ == 1 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                             : _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
-                                                 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
-  __m512 acc[R][NZ];
+  for (int j = 0; j < NZ; ++j) {
+    alignas(64) int32_t idx[kIntLanes];
+    for (int l = 0; l < kIntLanes; ++l) idx[l] = (j * kIntLanes + l) / L;
+    row_of_lane[j] = iload(idx);
+  }
+  Vec acc[R][NZ];
   __m128 macc[R];
   UNROLL
   for (int r = 0; r < R; ++r) {
     macc[r] = _mm_setzero_ps();
     UNROLL
-    for (int j = 0; j < NZ; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NZ; ++j) acc[r][j] = Vec(0.f);
   }
   for (int64_t g = 0; g < w.groups; ++g) {
-    const __m512 s4 = _mm512_castps128_ps512(load4(tile, w.scale_bytes, g));
-    __m512 sv[NZ];
+    const __m128 s4 = load4(tile, w.scale_bytes, g);
+    Vec sv[NZ];
     UNROLL
-    for (int j = 0; j < NZ; ++j) sv[j] = _mm512_permutexvar_ps(row_of_lane[j], s4);
+    for (int j = 0; j < NZ; ++j) sv[j] = spread4(s4, row_of_lane[j]);
     const uint8_t* qg = q + g * kTileRows * I::kBytes;
     prefetch_group<I>(qg);
-    __m512i wv[2];
-    if constexpr (I::kInt4) {
-      const __m512i b = _mm512_loadu_si512(qg);
-      wv[0] = _mm512_and_si512(b, low4);                          // elements 0-15 of each row
-      wv[1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);    // 16-31
-    } else {
-      UNROLL
-      for (int j = 0; j < NZ; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(qg + 64 * j), bias);
-    }
+    IVec wv[NZ];
+    UNROLL
+    for (int j = 0; j < NZ; ++j) wv[j] = iload(qg + j * sizeof(IVec));
     const __m128 m4 = mins ? load4(mins, w.scale_bytes, g) : _mm_setzero_ps();
     UNROLL
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int8_t* xg = x.q.data() + row * x.k + g * G;
-      const __m512 dx = _mm512_set1_ps(x.d[(row * x.k + g * G) / 32]);
-      __m512i dot[NZ];
+      const Vec dx(x.d[(row * x.k + g * G) / 32]);
+      IVec dot[NZ];
       if constexpr (I::kInt4) {
-        dot[0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], bcast16(xg)), wv[1], bcast16(xg + 16));
-      } else {
-        const __m512i c = _mm512_loadu_si512(x.corr.data() + (row * x.groups + g) * 16);
-        const __m512i xb = G == 32 ? bcast32(xg) : bcast16(xg);
+        const IVec x0 = bcast16(xg), x1 = bcast16(xg + 16);     // elements 0-15 (low nibbles), 16-31
         UNROLL
-        for (int j = 0; j < NZ; ++j) dot[j] = _mm512_dpbusd_epi32(c, wv[j], xb);
+        for (int j = 0; j < NZ; ++j) dot[j] = dot_u4(low_nibbles(wv[j]), x0, high_nibbles(wv[j]), x1);
+      } else {
+        const IVec xb = G == 32 ? bcast32(xg) : bcast16(xg);
+        const IVec c = kVnni ? iload(x.corr.data() + (row * x.groups + g) * kIntLanes) : IVec{};
+        UNROLL
+        for (int j = 0; j < NZ; ++j) dot[j] = dot_s8(c, wv[j], xb);
       }
       UNROLL
-      for (int j = 0; j < NZ; ++j) acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), _mm512_mul_ps(sv[j], dx), acc[r][j]);
+      for (int j = 0; j < NZ; ++j) acc[r][j] = at::vec::fmadd(to_float(dot[j]), sv[j] * dx, acc[r][j]);
       if (mins) macc[r] = _mm_fmadd_ps(m4, _mm_set1_ps(x.sums[row * x.groups + g]), macc[r]);
     }
   }
   UNROLL
   for (int r = 0; r < R; ++r) {
-    float lanes[NZ * 16], m[kTileRows];
+    float lanes[NZ * VL], m[kTileRows];
     UNROLL
-    for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(lanes + 16 * j, acc[r][j]);
+    for (int j = 0; j < NZ; ++j) acc[r][j].store(lanes + VL * j);
     _mm_storeu_ps(m, macc[r]);
     UNROLL
     for (int i = 0; i < kTileRows; ++i) {
       float sum = m[i];
       UNROLL
-      for (int l = 0; l < 4 * NZ; ++l) sum += lanes[i * 4 * NZ + l];
+      for (int l = 0; l < L; ++l) sum += lanes[i * L + l];
       y[r][i] = sum;
     }
   }
@@ -768,7 +845,7 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
     return dense_chunks<I, float>(w, x);
   }
   at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
-#if defined(__AVX512VNNI__)
+#if defined(KAITEN_INT8_ACTIVATIONS)
   if (m <= int8_rows && w.k % 32 == 0) {
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     int8_activations<I>(w, xf.data_ptr<float>(), m, out.data_ptr<float>());
