@@ -84,6 +84,8 @@ BATCHES = {
     "chunk_over_prefix": [(7, 40), (16, 100), (33, 97), (2, 18)],
     "full_prefill": [(1, 1), (5, 5), (37, 37), (64, 64)],
     "mixed": [(1, 50), (20, 20), (1, 3), (13, 77), (1, 200), (40, 41)],
+    # chunks of 64 tokens and more: in bf16 on a CPU with AMX, ATen's flash attention takes them
+    "long_chunks": [(64, 64), (1, 90), (80, 200), (100, 101), (3, 70), (70, 300)],
 }
 HEADS = [(4, 4), (9, 3), (8, 2)]     # GQA groups 1, 3, 4
 

@@ -26,11 +26,17 @@
 // each over its context; the parts' unnormalised rows, maxima and sums are merged after
 // (split_decodes, combine_parts), so one stream's attention uses every core.
 //
+// A bf16 chunk of at least kFlashMinTokens query tokens, on a CPU with AMX, goes instead to ATen's
+// flash attention (at::scaled_dot_product_attention), whose bf16 GEMMs run on AMX tiles: 2-core
+// Xeon with AMX, 30 layers of SmolLM2's heads (9 query, 3 kv, head_dim 64), a 256-token prompt
+// 12.0 ms against 27.6 here, 64 tokens 2.6 against 3.6 (fp32: 38.3 against 28.2, so fp32 stays).
+//
 // Written against ATen's at::vec::Vectorized<float>; the build picks AVX-512 or AVX2 through the
 // CPU_CAPABILITY_* macro and the matching -m flags, and needs -fopenmp (kernels/cpu_attention.py).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -39,6 +45,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -781,7 +788,8 @@ void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, cons
 // Checks the metadata against the cache (a bad block id would read out of bounds) and cuts the
 // batch into work items, most expensive first.
 Plan plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
-                                 int64_t num_seqs, int64_t num_tokens, const Geometry& g, int64_t threads) {
+                                 int64_t num_seqs, int64_t num_tokens, const Geometry& g, int64_t threads,
+                                 int64_t flash_min_tokens) {
   TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == num_tokens,
               "cu_seqlens_q must run from 0 to the number of query tokens");
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / g.group);
@@ -800,6 +808,7 @@ Plan plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
       const int32_t blk = bt[i * g.max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < g.num_blocks, "sequence ", i, ": block id ", blk, " out of range");
     }
+    if (q_len >= flash_min_tokens) continue;     // flash_attention's
     if (whole_rows && is_direct(q_len, g)) {
       const int64_t cost = g.hkv * (q_len * g.group * ctx + 64 * g.group);
       items.push_back({static_cast<int32_t>(i), 0, static_cast<int32_t>(g.hkv), 0,
@@ -845,6 +854,32 @@ void run_items(const Inputs<T>& in, const std::vector<WorkItem>& items, const Ge
   });
 }
 
+// Query tokens of a bf16 chunk from which flash_attention takes it, where the CPU has AMX; else none.
+constexpr int64_t kFlashMinTokens = 64;
+
+int64_t flash_min_tokens(const torch::Tensor& q) {
+  static const bool amx = at::cpu::init_amx();
+  return q.scalar_type() == torch::kBFloat16 && amx ? kFlashMinTokens : std::numeric_limits<int64_t>::max();
+}
+
+// Sequence i's q_len query tokens (from q_begin) against its ctx keys, gathered from the cache, by
+// at::scaled_dot_product_attention into out; the last q_len keys are causal to the queries.
+void flash_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const torch::Tensor& block_row, int64_t q_begin, int64_t q_len, int64_t ctx, double scale,
+                     torch::Tensor& out) {
+  const int64_t bs = k_cache.size(1), nblk = (ctx + bs - 1) / bs;
+  const torch::Tensor blocks = block_row.narrow(0, 0, nblk).to(torch::kLong);
+  auto gather = [&](const torch::Tensor& cache) {          // [1, Hkv, ctx, D]
+    return cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, ctx).transpose(0, 1).unsqueeze(0);
+  };
+  const torch::Tensor qs = q.narrow(0, q_begin, q_len).transpose(0, 1).unsqueeze(0);
+  std::optional<torch::Tensor> mask;
+  if (q_len < ctx) mask = torch::ones({q_len, ctx}, q.options().dtype(torch::kBool)).tril(ctx - q_len);
+  const torch::Tensor o = at::scaled_dot_product_attention(qs, gather(k_cache), gather(v_cache), mask, 0.0,
+                                                           q_len == ctx, scale, /*enable_gqa=*/true);
+  out.narrow(0, q_begin, q_len).copy_(o[0].transpose(0, 1));
+}
+
 }  // namespace
 
 // q [T, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] (same dtype: float32 or
@@ -877,13 +912,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
   Geometry g{hq, hkv, hq / hkv, d, (d + 15) / 16 * 16, k_cache.size(1), k_cache.size(0), bt.size(1),
              q.stride(0), q.stride(1), hkv * d};
+  const int64_t flash_from = flash_min_tokens(q);
   const Plan plan = plan_items(cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
-                               lens.size(0), q.size(0), g, at::get_num_threads());
+                               lens.size(0), q.size(0), g, at::get_num_threads(), flash_from);
   std::vector<float> part_o(plan.num_parts * RB * g.dp), part_m(plan.num_parts * RB), part_l(plan.num_parts * RB);
   const int32_t* c = cu.data_ptr<int32_t>();
   const int32_t* ctx = lens.data_ptr<int32_t>();
-  for (int64_t i = 0; i < lens.size(0); ++i)        // rows with no keys to attend to (plan_items skips them)
+  for (int64_t i = 0; i < lens.size(0); ++i) {      // rows with no keys to attend to (plan_items skips them)
     if (ctx[i] == 0 && c[i + 1] > c[i]) out.narrow(0, c[i], c[i + 1] - c[i]).zero_();
+    else if (c[i + 1] - c[i] >= flash_from) flash_attention(q, k_cache, v_cache, bt[i], c[i], c[i + 1] - c[i], ctx[i], scale, out);
+  }
   auto run = [&](auto tag) {
     using T = decltype(tag);
     Inputs<T> in{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
