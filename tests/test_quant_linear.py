@@ -66,6 +66,18 @@ def test_quant_linear_matches_dequantized_matmul(fmt, n, k, m, method):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_method_over_several_chunks(dtype):
+    """A weight larger than one dequantized chunk (4 MiB of fp32 scratch: 128 rows of k 8192, 256
+    in bf16) is multiplied chunk by chunk into its columns of the output."""
+    lin = layer("Q4_0", 300, 8192)
+    x = fresh_x(70, 8192, 5).to(dtype)
+    out = quant_linear(x, lin, "dense")
+    ref = reference(x, lin).double()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("fmt,n,k", CASES)
 @pytest.mark.parametrize("m", [1, 2, 3, 6, 33, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

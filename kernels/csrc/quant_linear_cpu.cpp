@@ -667,7 +667,7 @@ void dequantize_tile(const Tiles& w, const uint8_t* tile, float* sbuf, float* ou
 template <typename I, typename T>
 at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
   const int64_t chunk = std::min(w.tiles, std::max<int64_t>(16, kChunkBytes / (w.k * sizeof(T) * kTileRows)));
-  at::Tensor out = at::empty({x.size(0), w.n}, x.options());
+  at::Tensor out = chunk < w.tiles ? at::empty({x.size(0), w.n}, x.options()) : at::Tensor();
   at::Tensor scratch = at::empty({chunk * kTileRows, w.k}, x.options().dtype(c10::CppTypeToScalarType<T>::value));
   T* buf = scratch.data_ptr<T>();
   for (int64_t t0 = 0; t0 < w.tiles; t0 += chunk) {
@@ -685,7 +685,9 @@ at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
         }
       }
     });
-    out.narrow(1, t0 * kTileRows, rows).copy_(at::mm(x, scratch.narrow(0, 0, rows).to(x.scalar_type()).t()));
+    const at::Tensor y = at::mm(x, scratch.narrow(0, 0, rows).to(x.scalar_type()).t());
+    if (rows == w.n) return y;                      // the whole weight in one chunk: no copy
+    out.narrow(1, t0 * kTileRows, rows).copy_(y);
   }
   return out;
 }
