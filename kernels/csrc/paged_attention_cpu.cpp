@@ -29,7 +29,8 @@
 // A bf16 chunk of at least kFlashMinTokens query tokens, on a CPU with AMX, goes instead to ATen's
 // flash attention (at::scaled_dot_product_attention), whose bf16 GEMMs run on AMX tiles: 2-core
 // Xeon with AMX, 30 layers of SmolLM2's heads (9 query, 3 kv, head_dim 64), a 256-token prompt
-// 12.0 ms against 27.6 here, 64 tokens 2.6 against 3.6 (fp32: 38.3 against 28.2, so fp32 stays).
+// 18.0 ms against 27.6 here (SDPA itself 14.6, the rest the gather and copies); SDPA at 64 tokens
+// 2.6 against 3.6 (fp32: 38.3 against 28.2 at 256, so fp32 stays).
 //
 // Written against ATen's at::vec::Vectorized<float>; the build picks AVX-512 or AVX2 through the
 // CPU_CAPABILITY_* macro and the matching -m flags, and needs -fopenmp (kernels/cpu_attention.py).
@@ -862,8 +863,9 @@ int64_t flash_min_tokens(const torch::Tensor& q) {
   return q.scalar_type() == torch::kBFloat16 && amx ? kFlashMinTokens : std::numeric_limits<int64_t>::max();
 }
 
-// Sequence i's q_len query tokens (from q_begin) against its ctx keys, gathered from the cache, by
-// at::scaled_dot_product_attention into out; the last q_len keys are causal to the queries.
+// A sequence's q_len query tokens (from q_begin) against its ctx keys, gathered from the cache
+// through its block_row, by at::scaled_dot_product_attention into out; the last q_len keys are
+// causal to the queries.
 void flash_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                      const torch::Tensor& block_row, int64_t q_begin, int64_t q_len, int64_t ctx, double scale,
                      torch::Tensor& out) {
@@ -918,7 +920,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   std::vector<float> part_o(plan.num_parts * RB * g.dp), part_m(plan.num_parts * RB), part_l(plan.num_parts * RB);
   const int32_t* c = cu.data_ptr<int32_t>();
   const int32_t* ctx = lens.data_ptr<int32_t>();
-  for (int64_t i = 0; i < lens.size(0); ++i) {      // rows with no keys to attend to (plan_items skips them)
+  for (int64_t i = 0; i < lens.size(0); ++i) {      // what plan_items leaves out: rows with no keys, flash chunks
     if (ctx[i] == 0 && c[i + 1] > c[i]) out.narrow(0, c[i], c[i + 1] - c[i]).zero_();
     else if (c[i + 1] - c[i] >= flash_from) flash_attention(q, k_cache, v_cache, bt[i], c[i], c[i + 1] - c[i], ctx[i], scale, out);
   }
