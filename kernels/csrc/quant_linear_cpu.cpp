@@ -565,21 +565,32 @@ Int8Rows quantize_rows(const Tiles& w, const float* x, int64_t m) {
   return r;
 }
 
+// A group's 4 weight rows fill NZ integer vectors, each row lanes_of_row(NZ) int32 lanes of them.
+constexpr int lanes_of_row(int nz) { return kIntLanes * nz / kTileRows; }
+
+// The row that each of those lanes' dots belongs to.
+template <int NZ>
+struct RowOfLane {
+  alignas(64) int32_t row[NZ][kIntLanes] = {};
+  constexpr RowOfLane() {
+    for (int j = 0; j < NZ; ++j)
+      for (int l = 0; l < kIntLanes; ++l) row[j][l] = (j * kIntLanes + l) / lanes_of_row(NZ);
+  }
+};
+template <int NZ>
+constexpr RowOfLane<NZ> kRowOfLane{};
+
 // R rows of x (from r0) against a tile, into y[r][i].
 template <typename I, int R>
 inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, int64_t r0, float (*y)[kTileRows]) {
   constexpr int G = I::kGroup;
   constexpr int NZ = kTileRows * I::kBytes / sizeof(IVec);   // vectors of a group's 4 rows
-  constexpr int L = kIntLanes * NZ / kTileRows;              // lanes of a row
+  constexpr int L = lanes_of_row(NZ);
   const uint8_t* mins = w.has_mins ? tile + w.scale_count() * w.scale_bytes : nullptr;
   const uint8_t* q = w.ints(tile);
   IVec row_of_lane[NZ];
   UNROLL
-  for (int j = 0; j < NZ; ++j) {
-    alignas(64) int32_t idx[kIntLanes];
-    for (int l = 0; l < kIntLanes; ++l) idx[l] = (j * kIntLanes + l) / L;
-    row_of_lane[j] = iload(idx);
-  }
+  for (int j = 0; j < NZ; ++j) row_of_lane[j] = iload(kRowOfLane<NZ>.row[j]);
   Vec acc[R][NZ];
   __m128 macc[R];
   UNROLL
@@ -667,7 +678,8 @@ void dequantize_tile(const Tiles& w, const uint8_t* tile, float* sbuf, float* ou
 template <typename I, typename T>
 at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
   const int64_t chunk = std::min(w.tiles, std::max<int64_t>(16, kChunkBytes / (w.k * sizeof(T) * kTileRows)));
-  at::Tensor out = chunk < w.tiles ? at::empty({x.size(0), w.n}, x.options()) : at::Tensor();
+  const bool one_chunk = chunk == w.tiles;          // at::mm's result is the output: no copy
+  at::Tensor out = one_chunk ? at::Tensor() : at::empty({x.size(0), w.n}, x.options());
   at::Tensor scratch = at::empty({chunk * kTileRows, w.k}, x.options().dtype(c10::CppTypeToScalarType<T>::value));
   T* buf = scratch.data_ptr<T>();
   for (int64_t t0 = 0; t0 < w.tiles; t0 += chunk) {
@@ -686,7 +698,7 @@ at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
       }
     });
     const at::Tensor y = at::mm(x, scratch.narrow(0, 0, rows).to(x.scalar_type()).t());
-    if (rows == w.n) return y;                      // the whole weight in one chunk: no copy
+    if (one_chunk) return y;
     out.narrow(1, t0 * kTileRows, rows).copy_(y);
   }
   return out;
