@@ -176,6 +176,24 @@ def test_compiled_cpu_graph_calls_the_extension_ops(tiny_model_dir, prompts, exp
     assert not {op for op in ops if op.startswith("kaiten::")}
 
 
+def test_models_of_one_structure_share_one_compiled_forward(tiny_model_dir, prompts, expected):
+    """Engines whose models have one structure share a compiled forward (the weights are its
+    inputs, and it checks no guards); a model with different weights, or another structure (a
+    smaller KV block, the torch attention backend), gets the right tokens, the latter from a
+    compiled forward of its own."""
+    first, second = make_llm(tiny_model_dir), make_llm(tiny_model_dir)
+    block, ops = make_llm(tiny_model_dir, block_size=8), make_llm(tiny_model_dir, attention_backend="torch")
+    fns = [llm.engine.runner.compiled._fns[False] for llm in (first, second, block, ops)]
+    assert fns[0] is fns[1] and len({id(f) for f in fns[1:]}) == 3
+    for llm in (first, block, ops):
+        assert [c.token_ids for c in llm.generate(prompts[:4], greedy())] == expected[:4]
+    with torch.no_grad():
+        for p in second.engine.runner.model.parameters():
+            p.mul_(-1.0)
+    assert [c.token_ids for c in second.generate(prompts[:4], greedy())] != expected[:4]
+    assert [c.token_ids for c in first.generate(prompts[:4], greedy())] == expected[:4]
+
+
 def test_attention_ops_outside_a_step_match_the_backend():
     """The compiled forward's custom ops, called without a step context, find the backend by
     name and rebuild the metadata from its tensors; pad rows (slot -1) write no KV."""

@@ -39,12 +39,10 @@ def fmt(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=["exact", "int8"])
-def activations(request, monkeypatch) -> str:
+@pytest.fixture(scope="module", params=["exact", "int8"])
+def activations(request) -> str:
     """How decode steps multiply: int8-rounded activations (the default, where the build can) or
-    exact ones (INT8_ROWS 0; the compiled graph recompiles for it)."""
-    if request.param == "exact":
-        monkeypatch.setattr(quant_layers, "INT8_ROWS", 0)
+    exact ones (INT8_ROWS 0 when the engines load the model: a compiled graph of their own)."""
     return request.param
 
 
@@ -56,9 +54,11 @@ def quant_gguf(fmt, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(quant_gguf, tmp_path_factory):
+def engines(quant_gguf, activations, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KAITEN_MODELS_DIR", str(tmp_path_factory.mktemp("models")))
+        if activations == "exact":
+            mp.setattr(quant_layers, "INT8_ROWS", 0)
         # auto compiled (its graph calls the dispatcher op), none eager
         return {q: LLM(str(quant_gguf), dtype="float32", quantization=q, kv_cache_memory=8 * 2**20,
                        enforce_eager=q == "none") for q in ("auto", "none")}

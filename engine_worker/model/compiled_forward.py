@@ -18,11 +18,15 @@ specialising on 0 or 1 (unbacked sizes), so one graph serves every step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import logging
 import os
 import threading
 import time
+import types
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -120,9 +124,6 @@ def inductor_cache_dir() -> Path:
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path.home() / ".cache" / "kaiten" / "inductor")
 
 
-RECOMPILE_LIMIT = 64
-
-
 def configure_inductor() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     import torch._inductor.config as inductor_config
@@ -134,10 +135,6 @@ def configure_inductor() -> None:
     inductor_config.size_asserts = False
     inductor_config.alignment_asserts = False
     torch._functorch.config.enable_autograd_cache = True
-    # Each model structure in a process is one more graph of _forward (a target and its draft
-    # model, the LoRA graph, quantized or bf16 layers; many in a test process): dynamo's default
-    # of 8 graphs per function, then eager with fullgraph=True failing, is too few.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,
@@ -145,6 +142,56 @@ def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block
     meta = AttentionMetadata(cu_seqlens_q, seqlens_k, block_tables, slot_mapping, 0, 0)
     lora = LoraBatch(*lora_args) if lora_args else None
     return model(ids, pos, kv_caches, meta, backend, lora)
+
+
+COMPILED_FORWARD_CACHE: dict[tuple, Callable] = {}     # compiled copies of _forward by graph_signature
+
+
+def compiled_forward_for(signature: tuple) -> Callable:
+    """_forward compiled for one graph_signature: a copy with its own code object, so Dynamo's
+    cache for it holds that structure's graph alone and needs none of its guards (about 3,700
+    checks of the weights, modules and inputs a SmolLM2 step, 0.8 ms of a 6 ms one-stream step).
+    Models of the same signature share the copy: their weights are graph inputs."""
+    fn = COMPILED_FORWARD_CACHE.get(signature)
+    if fn is None:
+        code = _forward.__code__.replace(co_name=f"_forward_{len(COMPILED_FORWARD_CACHE)}")
+        copy = types.FunctionType(code, _forward.__globals__, code.co_name)
+        fn = torch.compile(copy, dynamic=False, fullgraph=True,
+                           options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+        COMPILED_FORWARD_CACHE[signature] = fn
+    return fn
+
+
+def graph_signature(model: torch.nn.Module, kv_caches, ops, lora: bool) -> tuple:
+    """What the traced graph depends on, as the skipped guards would have checked it: every
+    module's class and plain attributes (sizes, formats, configs), every parameter's and buffer's
+    shape, stride and dtype, the KV caches' but for their dynamic first dimension, the attention
+    ops, and whether the step carries adapter tokens. Values the forward reads must not change
+    after the first call (the adapters' slots are written in place; the model's weights may)."""
+    modules = tuple((name, type(m).__qualname__, _attributes(m), _tensors(m._parameters), _tensors(m._buffers))
+                    for name, m in model.named_modules(remove_duplicate=False))
+    caches = tuple((k.shape[1:], k.stride()[1:], k.dtype, v.shape[1:], v.stride()[1:], v.dtype) for k, v in kv_caches)
+    return modules, caches, (type(ops).__qualname__, _attributes(ops)), lora
+
+
+def _attributes(obj) -> tuple:
+    return tuple(sorted((k, _describe(v)) for k, v in vars(obj).items() if not k.startswith("_")))
+
+
+def _tensors(named: dict) -> tuple:
+    return tuple((k, _describe(t)) for k, t in named.items())
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.stride(), value.dtype, value.device.type
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_describe(v) for v in value)
+    if dataclasses.is_dataclass(value) or isinstance(value, enum.Enum):
+        return repr(value)
+    return type(value).__qualname__          # a module (described by its own name) or a helper object
 
 
 class CompiledForward:
@@ -167,22 +214,29 @@ class CompiledForward:
         for k_cache, v_cache in kv_caches:          # the pool's size differs between engines
             torch._dynamo.decorators.mark_unbacked(k_cache, 0)
             torch._dynamo.decorators.mark_unbacked(v_cache, 0)
-        self._fn = torch.compile(_forward, dynamic=False, fullgraph=True)
+        self._fns: dict[bool, Callable] = {}        # by "the step has adapter tokens"
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                  lora: LoraBatch | None = None) -> torch.Tensor:
+        fn = self._fns.get(lora is not None)
+        if fn is None:
+            fn = self._fns[lora is not None] = self._first_call(ids, pos, meta, lora)
+        extra = () if lora is None else lora.args()
+        with step_context(self.backend, meta):
+            return fn(self.model, self.kv_caches, self.ops, ids, pos, meta.cu_seqlens_q, meta.seqlens_k,
+                      meta.block_tables, meta.slot_mapping, *extra)
+
+    def _first_call(self, ids, pos, meta: AttentionMetadata, lora: LoraBatch | None) -> Callable:
+        """The compiled function for steps of this kind. Its graph, if this call traces it, takes
+        the token count and the batch's shape as dynamic sizes; later calls check nothing."""
         for t in (ids, pos, meta.slot_mapping, meta.cu_seqlens_q, meta.seqlens_k):
             torch._dynamo.decorators.mark_unbacked(t, 0)
         torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
         torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
-        extra = ()
         if lora is not None:
             for t in (lora.token_index, lora.pad_index, lora.pad_rows):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
-            extra = lora.args()
-        with step_context(self.backend, meta):
-            return self._fn(self.model, self.kv_caches, self.ops, ids, pos, meta.cu_seqlens_q, meta.seqlens_k,
-                            meta.block_tables, meta.slot_mapping, *extra)
+        return compiled_forward_for(graph_signature(self.model, self.kv_caches, self.ops, lora is not None))
 
     @torch.inference_mode()
     def warm_up(self, lora: bool = False) -> float:

@@ -47,7 +47,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, packed: PackedWeight, int8_activations: bool = True):
         super().__init__()
-        self.int8_activations = int8_activations      # up to INT8_ROWS rows, where the build can
+        self.int8_rows = INT8_ROWS if int8_activations else 0     # as at construction: a compiled graph's constant
         tiles, self.fmt = to_tiles(packed)
         self.register_buffer("tiles", torch.from_numpy(tiles))
         f = self.fmt
@@ -59,7 +59,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 96),
-                                                 INT8_ROWS if self.int8_activations else 0)
+                                                 self.int8_rows)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in fp32, computed as gguf's dequantizer does."""
