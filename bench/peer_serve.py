@@ -30,7 +30,7 @@ from typing import IO
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_name, load_avg  # noqa: E402
+from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.peer_offline import DEFAULT_PEER  # noqa: E402
 from shared.launcher import free_port  # noqa: E402
 
@@ -179,7 +179,7 @@ def main() -> None:
     model = args.model or str(ensure_default_model())
     subprocess.run(["bash", args.peer, "setup"], check=True, capture_output=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "load_avg_before": load_avg(),
+    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": " ".join(cpu_flags()), "load_avg_before": load_avg(),
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
               "num_prompts_single": args.num_prompts_single, "rounds": args.rounds, "systems": {}}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -223,7 +223,7 @@ def hf_view(model_dir: str, tmp: Path) -> str:
 def markdown(rep: dict, concurrency: list[int]) -> str:
     lines = [
         "# Served: `vllm bench serve` against `kaiten up` and `vllm serve`\n",
-        f"CPU: {rep['cpu']} ({rep['cores']} cores). Load average {rep['load_avg_before']} before, "
+        f"CPU: {rep['cpu']} ({rep['cores']} cores; flags: {rep['flags']}). Load average {rep['load_avg_before']} before, "
         f"{rep['load_avg_after']} after. Client: random {rep['input_len']}-token prompts, "
         f"{rep['output_len']} output tokens, ignore_eos, greedy; {rep['num_prompts']} prompts per run "
         f"({rep['num_prompts_single']} at concurrency 1). {rounds_note(rep)}\n",
