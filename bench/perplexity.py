@@ -74,8 +74,9 @@ def dequantize_exactly(llm: LLM) -> None:
 
 @contextlib.contextmanager
 def int8_for_every_row():
-    """quant_linear's int8-activation method for any number of rows (an eager engine reads these
-    at each call)."""
+    """quant_linear's int8-activation method for any number of rows: build the engine inside (its
+    layers keep INT8_ROWS as at construction) and score inside (an eager engine reads
+    MIN_DENSE_ROWS at each call)."""
     saved = quant_layers.INT8_ROWS, dict(quant_layers.MIN_DENSE_ROWS)
     quant_layers.INT8_ROWS = 1 << 30
     quant_layers.MIN_DENSE_ROWS.update({dtype: 1 << 31 for dtype in saved[1]})
@@ -146,8 +147,9 @@ def main() -> int:
         engines["Kaiten, GGUF values dequantized exactly to fp32"] = exact
         int8_name = "Kaiten quantized, projections' activations int8 (every row), fp32"
         if int8_activations_built():
-            engines[int8_name] = LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True,
-                                     kv_cache_memory="256MiB")
+            with int8_for_every_row():
+                engines[int8_name] = LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True,
+                                         kv_cache_memory="256MiB")
         engines["Kaiten --quantization none (bf16 copy), fp32 compute"] = LLM(
             str(gguf), quantization="none", dtype="float32", kv_cache_memory="256MiB")
         meta["tokens"], meta["chunks"] = len(ids), len(chunks)
