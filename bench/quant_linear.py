@@ -1,7 +1,8 @@
 """Weight-only quantized projections on SmolLM2-135M's shapes: kaiten_cpu::quant_linear (its
-methods: registers with x exact, int8 activations where the build has them, dequantized chunks
-into at::mm) against the dense PackedLinear (oneDNN) in the same
-dtype and PyTorch's own aten._weight_int4pack_mm_for_cpu / aten._weight_int8pack_mm (bf16 x).
+methods: registers with x exact, int8 activations where the build has them, the dense method: its
+own bf16 GEMM for bf16 x on AVX512-BF16 without AMX, else dequantized chunks into at::mm) against
+the dense PackedLinear (oneDNN) in the same dtype and PyTorch's own
+aten._weight_int4pack_mm_for_cpu / aten._weight_int8pack_mm (bf16 x).
 
 Each shape is timed as 30 copies (one per layer; the output layer once), so the weights stream
 from memory as in a decode step; methods run interleaved, round after round, and the median of
@@ -51,7 +52,7 @@ def methods(fmt: str, weights: list[PackedWeight], dense: list[PackedLinear], m:
     out = {"oneDNN (dequantized)": lambda: [d(x) for d in dense],
            "quant_linear registers": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.tiles, *q.op_args, NEVER)
                                               for q in layers],
-           "quant_linear chunks+mm": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.tiles, *q.op_args, 0)
+           "quant_linear dense method": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.tiles, *q.op_args, 0)
                                               for q in layers]}
     if int8_activations_built():
         out["quant_linear int8 activations"] = lambda: [

@@ -19,18 +19,19 @@ from shared.gguf_quant import PackedWeight
 # bf16 GEMM on dequantized chunks): 2-core Xeon, 2 threads, 30 layers' projections, Q4_1 / Q8_0,
 # ms: 8 rows AMX 14.9 / 17.2, int8 activations 12.3 / 13.6; 16 rows AMX 18.2 / 21.2, int8 19.1 /
 # 32.0, oneDNN chunks 30.5 / 35.0; 32 rows AMX 24.7 / 29.2, oneDNN 34.1 / 42.4; 64 rows alike.
-# bf16 without AMX:
-# 2-core Zen 5 EPYC with AVX512-BF16, 2 threads, the kernel's bf16 dot products against the dense
-# chunks (dequantize, round to bf16, oneDNN), dense time / register time: Q4_1 1.59x at 32 rows,
-# 1.34x at 64, 1.18x at 96, 1.06x at 128, 0.98-1.02x at 192-512; Q8_0 1.51x at 32, 1.23x at 64,
-# 0.90x at 128. fp32: min of 5-11 rounds, 1 thread (the machine had a load of 7-13 on 2 cores),
+# bf16 without AMX (the kernel's own bf16 GEMM from there): 2-core Zen 4 EPYC with AVX512-BF16,
+# 2 threads, bench/quant_linear.py's four projection shapes, Q4_1 / Q8_0, the GEMM's time against
+# the bf16 dot products in registers: 16 rows 1.04x / 1.06x, 24 0.94x / 0.95x, 48 0.86x / 0.92x,
+# 256 0.75x / 0.72x; against oneDNN on the dense weight prepacked (what --quantization none runs)
+# 0.85-1.06x by shape at 256 rows. fp32: min of 5-11 rounds, 1 thread (the machine had a load of
+# 7-13 on 2 cores),
 # AVX2 EPYC, bench/quant_linear.py's shapes and methods, dense time / this time: int4 registers
 # 1.4-3.6x at 24 rows, 0.9-1.1x at 48-64, dense ahead from 96 (0.6-0.9x); int8 weights 1.2-1.6x at
 # 24, 1.0-1.35x at 48-64, dense ahead from 96-128 (measured before the tiled layout, with the
 # int8-activation method it replaced; on the Zen 4 the tiled fp32 registers were still ahead at
 # 64-128 rows: 1.25-1.9x, and on the Zen 5 at up to 512 rows, 1.5-2.5x: MKL's fp32 GEMM on AMD;
 # kept at 64 until a CPU with Intel's MKL path is measured).
-MIN_DENSE_ROWS = {torch.bfloat16: 12 if torch.cpu._is_amx_tile_supported() else 96, torch.float32: 64}
+MIN_DENSE_ROWS = {torch.bfloat16: 12 if torch.cpu._is_amx_tile_supported() else 24, torch.float32: 64}
 # Rows of x up to which quant_linear multiplies int8-rounded activations by the stored integers
 # (llama.cpp's way; AVX-512 and AVX2 builds, vpdpbusd where the CPU has AVX512-VNNI, else
 # vpmaddubsw and vpmaddwd). 2-core Xeon with AMX, int8 / exact time, Q4_1 and Q8_0 projections:

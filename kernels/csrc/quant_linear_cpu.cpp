@@ -8,13 +8,15 @@
 // as one run, and fp16 scales keep the tensor at the GGUF file's size (20 bytes per 32 int4
 // weights, 34 per 32 int8).
 //
-// Four methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
+// Five methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
 // from the caller, measured by bench/quant_linear.py):
 // * m >= min_dense_rows (prefill, large decode batches): chunks of weight rows are dequantized
 //   into scratch in x's dtype and multiplied by at::mm (oneDNN/MKL), whose blocked GEMM is faster
 //   once a dequantized weight is reused by enough rows. bf16 x of up to kAmxMaxRows rows on a CPU
 //   with AMX: each 16 x 32 block of the weight dequantized to bf16 into a tile, multiplied by
-//   tdpbf16ps into fp32 tiles (amx_bf16).
+//   tdpbf16ps into fp32 tiles (amx_bf16). bf16 x on AVX512-BF16 without AMX: our own GEMM
+//   (bf16_gemm), panels of 32 weight rows dequantized to bf16 in vdpbf16ps's layout, in L2, each
+//   met by all of x.
 // * m <= int8_rows, in an AVX-512 or AVX2 build: *int8 activations*, as llama.cpp computes: x
 //   rounded to int8 per block of 32, integer dot products with the stored integers (vpdpbusd with
 //   AVX512-VNNI, 64 byte products an instruction; else vpmaddubsw and vpmaddwd), scaled per group
@@ -368,6 +370,144 @@ void registers(const Tiles& w, const float* x, int64_t m, float* out) {
 }
 
 #if defined(__AVX512BF16__)
+// The bf16 GEMM for bf16 x of many rows (prefill) without AMX, in place of the dense chunks: no
+// dequantized weight leaves L2 and nothing is reordered for a library GEMM. Each panel of
+// kPanelRows weight rows is dequantized, rounded to bf16 (as the dense bf16 GEMM rounds its
+// weights) and laid out as vdpbf16ps's operand, pairs of inputs by weight row ([k / 2][kPanelRows]
+// 32-bit words), in the thread's scratch; each pair of a row of x is broadcast against it, kGemmRows
+// rows of x x 32 weight rows in 24 fp32 accumulators, summed over all of k, rounded to bf16 and
+// stored as rows of the output.
+constexpr int kPanelRows = 32;            // 2 vectors of 16 weight rows
+constexpr int kGemmRows = 12;             // rows of x a pass: 24 accumulators of AVX-512's 32 registers
+
+// Words p of 16 rows, r[i] = words 0-15 of row i, into r[p] = word p of rows 0-15.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  UNROLL
+  for (int i = 0; i < 8; ++i) {        // pairs of rows: lane L = words 4L, 4L+1 (lo) or 4L+2, 4L+3 (hi) of both
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  UNROLL
+  for (int i = 0; i < 4; ++i) {        // r[4i + c], lane L: word 4L + c of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  UNROLL
+  for (int c = 0; c < 4; ++c) {        // lane L of the 4 groups of rows into word 4L + c
+    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i v0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
+  }
+  UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// The weight rows of tiles [t0, t0 + kPanelRows / kTileRows) (zero past the last tile) into panel
+// [k / 2][kPanelRows] words, each a row's pair of bf16 inputs.
+template <typename I>
+void pack_panel(const Tiles& w, int64_t t0, float* sbuf, uint32_t* panel) {
+  constexpr int kTiles = 16 / kTileRows;     // a half: 16 rows
+  for (int half = 0; half < kPanelRows / 16; ++half) {
+    TileScales s[kTiles];
+    const uint8_t* q[kTiles] = {};
+    for (int tt = 0; tt < kTiles; ++tt) {
+      const int64_t t = t0 + half * kTiles + tt;
+      if (t >= w.tiles) continue;
+      s[tt] = TileScales(w, w.tile(t), sbuf + tt * 2 * w.scale_count());
+      q[tt] = w.ints(w.tile(t));
+    }
+    for (int64_t c = 0; c < w.k; c += 32) {
+      __m512i r[16];
+      for (int tt = 0; tt < kTiles; ++tt) {
+        if (!q[tt]) {
+          UNROLL
+          for (int i = 0; i < kTileRows; ++i) r[tt * kTileRows + i] = _mm512_setzero_si512();
+          continue;
+        }
+        for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q[tt] + (c / I::kGroup + h) * kTileRows * I::kBytes);
+        UNROLL
+        for (int i = 0; i < kTileRows; ++i) {
+          Vec d[2];
+          UNROLL
+          for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q[tt], s[tt], c / I::kGroup + h, i, d + h * I::kVecs);
+          r[tt * kTileRows + i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(d[1], d[0]));
+        }
+      }
+      transpose16(r);
+      UNROLL
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(panel + (c / 2 + p) * kPanelRows + half * 16, r[p]);
+    }
+  }
+}
+
+// MR rows of x (words: their pairs of inputs, row stride `words`) against a panel, into rows
+// [0, rows) of out (row stride n), columns [n0, n0 + kPanelRows) but for those past n.
+template <int MR>
+inline void gemm_rows(const uint32_t* x, const uint32_t* panel, int64_t words, int64_t rows, at::BFloat16* out,
+                      int64_t n, int64_t n0) {
+  __m512 acc[MR][2];
+  UNROLL
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < words; ++p) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kPanelRows));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kPanelRows + 16));
+    UNROLL
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * words + p])));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+    }
+  }
+  const int64_t cols = std::min<int64_t>(kPanelRows, n - n0);
+  const __mmask16 m0 = static_cast<__mmask16>((1u << std::min<int64_t>(16, cols)) - 1);
+  const __mmask16 m1 = static_cast<__mmask16>((1u << std::max<int64_t>(0, cols - 16)) - 1);
+  UNROLL
+  for (int r = 0; r < MR; ++r) {
+    if (r >= rows) break;
+    at::BFloat16* o = out + r * n + n0;
+    _mm256_mask_storeu_epi16(o, m0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][0])));
+    _mm256_mask_storeu_epi16(o + 16, m1, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][1])));
+  }
+}
+
+template <typename I>
+at::Tensor bf16_gemm(const Tiles& w, const at::Tensor& x) {
+  const int64_t m = x.size(0), words = w.k / 2;
+  const at::Tensor xc = x.contiguous();
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
+  // the last rows of x, fewer than kGemmRows, with zero rows after them
+  const int64_t full = m / kGemmRows * kGemmRows;
+  std::vector<uint32_t> tail(kGemmRows * words, 0);
+  std::copy(xw + full * words, xw + m * words, tail.begin());
+  at::Tensor out = at::empty({m, w.n}, x.options());
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  constexpr int64_t kPanelTiles = kPanelRows / kTileRows;
+  at::parallel_for(0, (w.tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sbuf(16 / kTileRows * 2 * w.scale_count());
+    std::vector<uint32_t> panel(words * kPanelRows);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kPanelRows;
+      pack_panel<I>(w, b * kPanelTiles, sbuf.data(), panel.data());
+      for (int64_t r0 = 0; r0 < full; r0 += kGemmRows)
+        gemm_rows<kGemmRows>(xw + r0 * words, panel.data(), words, kGemmRows, o + r0 * w.n, w.n, n0);
+      const int64_t rest = m - full;    // rows of the tail, as 4, 8 or 12 rows of x (the zero ones not stored)
+      if (rest > 8)
+        gemm_rows<12>(tail.data(), panel.data(), words, rest, o + full * w.n, w.n, n0);
+      else if (rest > 4)
+        gemm_rows<8>(tail.data(), panel.data(), words, rest, o + full * w.n, w.n, n0);
+      else if (rest > 0)
+        gemm_rows<4>(tail.data(), panel.data(), words, rest, o + full * w.n, w.n, n0);
+    }
+  });
+  return out;
+}
+
 // bf16 x, R rows against a whole tile: 32 weights of a row at a time (one group or two) dequantized
 // in fp32, rounded to bf16 (as the dense bf16 GEMM's weights are) and kept in wt where given, or
 // read back from wt (kFromScratch); multiplied by vdpbf16ps, 32 products summed in fp32 each.
@@ -852,7 +992,14 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
   const int64_t m = x.size(0);
   if (m >= min_dense_rows) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (x.scalar_type() == at::kBFloat16 && m <= kAmxMaxRows && w.k % 32 == 0 && amx_ready()) return amx_bf16<I>(w, x);
+    // with AMX, its own kernel up to kAmxMaxRows, then oneDNN's AMX GEMM on dequantized chunks
+    const bool amx = x.scalar_type() == at::kBFloat16 && w.k % 32 == 0 && amx_ready();
+    if (amx && m <= kAmxMaxRows) return amx_bf16<I>(w, x);
+#else
+    [[maybe_unused]] constexpr bool amx = false;
+#endif
+#if defined(__AVX512BF16__)
+    if (x.scalar_type() == at::kBFloat16 && w.k % 32 == 0 && !amx) return bf16_gemm<I>(w, x);
 #endif
     if (x.scalar_type() == at::kBFloat16) return dense_chunks<I, at::BFloat16>(w, x);
     if (x.scalar_type() == at::kHalf) return dense_chunks<I, at::Half>(w, x);
