@@ -1,7 +1,7 @@
 """kaiten_cpu::quant_linear (kernels/csrc/quant_linear_cpu.cpp) against dequantize-then-matmul,
 for every GGUF format (int4 with mins; int8 with and without mins, groups of 16 and 32), its
-methods (fp32 registers, dequantized chunks into at::mm, int8 activations) and odd shapes, on fresh
-random inputs; and the tiles it reads (engine_worker/model/quant_tiles.py). test_other_isa_builds
+methods (fp32 registers, the panel GEMMs, dequantized chunks into at::mm, int8 activations) and
+odd shapes, on fresh random inputs; and the tiles it reads (engine_worker/model/quant_tiles.py). test_other_isa_builds
 runs them again on the AVX2 and portable builds."""
 from __future__ import annotations
 
@@ -67,9 +67,11 @@ def test_quant_linear_matches_dequantized_matmul(fmt, n, k, m, method):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_method_over_several_chunks(dtype):
-    """A weight larger than one dequantized chunk (4 MiB of fp32 scratch: 128 rows of k 8192, 256
-    in bf16) is multiplied chunk by chunk into its columns of the output."""
+def test_dense_method_on_a_large_weight(dtype):
+    """A weight of 10 panels and 70 rows of x (5 passes of the panel GEMM's 12 rows and a tail of
+    10; fp32 x, and bf16 x on AVX512-BF16 without AMX), or larger than one dequantized chunk (4 MiB
+    of scratch: 256 bf16 rows of k 8192) where the dense method is the chunks into oneDNN (bf16 x
+    in the other builds): every output column right."""
     lin = layer("Q4_0", 300, 8192)
     x = fresh_x(70, 8192, 5).to(dtype)
     out = quant_linear(x, lin, "dense")
@@ -134,7 +136,8 @@ def test_int8_activations(fmt, n, k, m, dtype):
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 def test_layer_picks_a_method_by_rows(fmt):
     """QuantLinear multiplies int8-rounded activations up to INT8_ROWS (where the build can), the
-    exact activations in registers below MIN_DENSE_ROWS and by dense chunks from it."""
+    exact activations in registers below MIN_DENSE_ROWS and by the dense method (the panel GEMM
+    for fp32 x) from it."""
     lin = layer(fmt, 37, 96)
     dense = MIN_DENSE_ROWS[torch.float32]
     for m in (1, 2, 3, 4, 8, INT8_ROWS, INT8_ROWS + 1, dense - 1, dense, dense + 9):

@@ -10,28 +10,32 @@
 //
 // Five methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
 // from the caller, measured by bench/quant_linear.py):
-// * m >= min_dense_rows (prefill, large decode batches): chunks of weight rows are dequantized
-//   into scratch in x's dtype and multiplied by at::mm (oneDNN/MKL), whose blocked GEMM is faster
-//   once a dequantized weight is reused by enough rows. bf16 x of up to kAmxMaxRows rows on a CPU
-//   with AMX: each 16 x 32 block of the weight dequantized to bf16 into a tile, multiplied by
-//   tdpbf16ps into fp32 tiles (amx_bf16). bf16 x on AVX512-BF16 without AMX: our own GEMM
-//   (bf16_gemm), panels of 32 weight rows dequantized to bf16 in vdpbf16ps's layout, in L2, each
-//   met by all of x.
+// * m >= min_dense_rows (prefill, large decode batches), a GEMM, faster once a dequantized weight
+//   is reused by enough rows:
+//   - fp32 x, and bf16 x on AVX512-BF16 without AMX: our own *panel GEMM* (panel_gemm): panels of
+//     weight rows dequantized into L2 scratch, laid out by input for the vector unit (fp32 FMAs,
+//     or vdpbf16ps on the weights rounded to bf16), each met by all of x: nothing dequantized
+//     leaves L2 and nothing is reordered for a library GEMM.
+//   - bf16 x of up to kAmxMaxRows rows on a CPU with AMX: each 16 x 32 block of the weight
+//     dequantized to bf16 into a tile, multiplied by tdpbf16ps into fp32 tiles (amx_bf16).
+//   - else (bf16 x past that, or without AVX512-BF16; fp16 x): chunks of weight rows dequantized
+//     into scratch in x's dtype and multiplied by at::mm (oneDNN, dense_chunks).
 // * m <= int8_rows, in an AVX-512 or AVX2 build: *int8 activations*, as llama.cpp computes: x
 //   rounded to int8 per block of 32, integer dot products with the stored integers (vpdpbusd with
 //   AVX512-VNNI, 64 byte products an instruction; else vpmaddubsw and vpmaddwd), scaled per group
 //   in fp32 (int8_block). x is inexact (about 1% of the output's norm), the fewest instructions
 //   per weight.
-// * else (but for the bf16 case below) in fp32 registers, with x exact, up to 4 rows of x meeting a tile while it is in L1 (its
-//   scales widened once for them). With few rows, per group, the dot product of x with the stored
-//   integers (widened to fp32) is scaled once: y = sum_g scale_g * (x_g . q_g) + sum_g min_g *
-//   sum(x_g), the second from x's group sums, computed once per call; with more rows than a
-//   group has vectors, the group is dequantized first (fewer FMAs, kDequantFirst).
+// * else (but for the bf16 case below) in fp32 registers, with x exact, up to 4 rows of x meeting
+//   a tile while it is in L1 (its scales widened once for them). With few rows, per group, the dot
+//   product of x with the stored integers (widened to fp32) is scaled once: y = sum_g scale_g *
+//   (x_g . q_g) + sum_g min_g * sum(x_g), the second from x's group sums, computed once per call;
+//   with more rows than a group has vectors, the group is dequantized first (fewer FMAs,
+//   kDequantFirst).
 // * bf16 x with more rows than a group has vectors, on AVX512-BF16: each tile is dequantized once,
 //   rounded to bf16 (as the dense bf16 GEMM rounds its weights) and kept in L1 scratch for all the
 //   rows of x, multiplied by bf16 dot products (vdpbf16ps: 32 products per instruction, summed in
 //   fp32), twice the multiplies of an fp32 FMA.
-// Threads split the tiles.
+// Threads split the tiles (the panels).
 //
 // One source for AVX-512 and AVX2 (at::vec::Vectorized<float>, with the byte unpacking in the
 // matching intrinsics) and a portable fallback; the ISA comes from CPU_CAPABILITY_* as in
@@ -56,11 +60,18 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int VL = Vec::size();
+#if defined(CPU_CAPABILITY_AVX512)
+using RawVec = __m512;        // Vec's register, for arrays of accumulators
+#elif defined(CPU_CAPABILITY_AVX2)
+using RawVec = __m256;
+#else
+using RawVec = Vec;
+#endif
 constexpr int kTileRows = 4;        // weight rows a tile (quant_tiles.TILE_ROWS)
 constexpr int kRowBlock = 4;        // rows of x per pass over a tile
 // Fully unrolled fixed-size loops let the compiler keep the vector arrays in registers.
 #define UNROLL _Pragma("GCC unroll 16")
-constexpr int64_t kChunkBytes = 4 << 20;   // fp32 scratch per dequantized chunk of weight rows
+constexpr int64_t kChunkBytes = 4 << 20;   // scratch per dequantized chunk of weight rows
 
 // The 32 values of an int4 group as 32 / VL vectors, in input order.
 inline void unpack_int4(const uint8_t* p, Vec* q) {
@@ -370,144 +381,6 @@ void registers(const Tiles& w, const float* x, int64_t m, float* out) {
 }
 
 #if defined(__AVX512BF16__)
-// The bf16 GEMM for bf16 x of many rows (prefill) without AMX, in place of the dense chunks: no
-// dequantized weight leaves L2 and nothing is reordered for a library GEMM. Each panel of
-// kPanelRows weight rows is dequantized, rounded to bf16 (as the dense bf16 GEMM rounds its
-// weights) and laid out as vdpbf16ps's operand, pairs of inputs by weight row ([k / 2][kPanelRows]
-// 32-bit words), in the thread's scratch; each pair of a row of x is broadcast against it, kGemmRows
-// rows of x x 32 weight rows in 24 fp32 accumulators, summed over all of k, rounded to bf16 and
-// stored as rows of the output.
-constexpr int kPanelRows = 32;            // 2 vectors of 16 weight rows
-constexpr int kGemmRows = 12;             // rows of x a pass: 24 accumulators of AVX-512's 32 registers
-
-// Words p of 16 rows, r[i] = words 0-15 of row i, into r[p] = word p of rows 0-15.
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16];
-  UNROLL
-  for (int i = 0; i < 8; ++i) {        // pairs of rows: lane L = words 4L, 4L+1 (lo) or 4L+2, 4L+3 (hi) of both
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  UNROLL
-  for (int i = 0; i < 4; ++i) {        // r[4i + c], lane L: word 4L + c of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  UNROLL
-  for (int c = 0; c < 4; ++c) {        // lane L of the 4 groups of rows into word 4L + c
-    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-    const __m512i v0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-    t[c] = _mm512_shuffle_i32x4(u0, v0, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
-    t[8 + c] = _mm512_shuffle_i32x4(u1, v1, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
-  }
-  UNROLL
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
-// The weight rows of tiles [t0, t0 + kPanelRows / kTileRows) (zero past the last tile) into panel
-// [k / 2][kPanelRows] words, each a row's pair of bf16 inputs.
-template <typename I>
-void pack_panel(const Tiles& w, int64_t t0, float* sbuf, uint32_t* panel) {
-  constexpr int kTiles = 16 / kTileRows;     // a half: 16 rows
-  for (int half = 0; half < kPanelRows / 16; ++half) {
-    TileScales s[kTiles];
-    const uint8_t* q[kTiles] = {};
-    for (int tt = 0; tt < kTiles; ++tt) {
-      const int64_t t = t0 + half * kTiles + tt;
-      if (t >= w.tiles) continue;
-      s[tt] = TileScales(w, w.tile(t), sbuf + tt * 2 * w.scale_count());
-      q[tt] = w.ints(w.tile(t));
-    }
-    for (int64_t c = 0; c < w.k; c += 32) {
-      __m512i r[16];
-      for (int tt = 0; tt < kTiles; ++tt) {
-        if (!q[tt]) {
-          UNROLL
-          for (int i = 0; i < kTileRows; ++i) r[tt * kTileRows + i] = _mm512_setzero_si512();
-          continue;
-        }
-        for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q[tt] + (c / I::kGroup + h) * kTileRows * I::kBytes);
-        UNROLL
-        for (int i = 0; i < kTileRows; ++i) {
-          Vec d[2];
-          UNROLL
-          for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q[tt], s[tt], c / I::kGroup + h, i, d + h * I::kVecs);
-          r[tt * kTileRows + i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(d[1], d[0]));
-        }
-      }
-      transpose16(r);
-      UNROLL
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(panel + (c / 2 + p) * kPanelRows + half * 16, r[p]);
-    }
-  }
-}
-
-// MR rows of x (words: their pairs of inputs, row stride `words`) against a panel, into rows
-// [0, rows) of out (row stride n), columns [n0, n0 + kPanelRows) but for those past n.
-template <int MR>
-inline void gemm_rows(const uint32_t* x, const uint32_t* panel, int64_t words, int64_t rows, at::BFloat16* out,
-                      int64_t n, int64_t n0) {
-  __m512 acc[MR][2];
-  UNROLL
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < words; ++p) {
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kPanelRows));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kPanelRows + 16));
-    UNROLL
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * words + p])));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-    }
-  }
-  const int64_t cols = std::min<int64_t>(kPanelRows, n - n0);
-  const __mmask16 m0 = static_cast<__mmask16>((1u << std::min<int64_t>(16, cols)) - 1);
-  const __mmask16 m1 = static_cast<__mmask16>((1u << std::max<int64_t>(0, cols - 16)) - 1);
-  UNROLL
-  for (int r = 0; r < MR; ++r) {
-    if (r >= rows) break;
-    at::BFloat16* o = out + r * n + n0;
-    _mm256_mask_storeu_epi16(o, m0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][0])));
-    _mm256_mask_storeu_epi16(o + 16, m1, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][1])));
-  }
-}
-
-template <typename I>
-at::Tensor bf16_gemm(const Tiles& w, const at::Tensor& x) {
-  const int64_t m = x.size(0), words = w.k / 2;
-  const at::Tensor xc = x.contiguous();
-  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
-  // the last rows of x, fewer than kGemmRows, with zero rows after them
-  const int64_t full = m / kGemmRows * kGemmRows;
-  std::vector<uint32_t> tail(kGemmRows * words, 0);
-  std::copy(xw + full * words, xw + m * words, tail.begin());
-  at::Tensor out = at::empty({m, w.n}, x.options());
-  at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  constexpr int64_t kPanelTiles = kPanelRows / kTileRows;
-  at::parallel_for(0, (w.tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> sbuf(16 / kTileRows * 2 * w.scale_count());
-    std::vector<uint32_t> panel(words * kPanelRows);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kPanelRows;
-      pack_panel<I>(w, b * kPanelTiles, sbuf.data(), panel.data());
-      for (int64_t r0 = 0; r0 < full; r0 += kGemmRows)
-        gemm_rows<kGemmRows>(xw + r0 * words, panel.data(), words, kGemmRows, o + r0 * w.n, w.n, n0);
-      const int64_t rest = m - full;    // rows of the tail, as 4, 8 or 12 rows of x (the zero ones not stored)
-      if (rest > 8)
-        gemm_rows<12>(tail.data(), panel.data(), words, rest, o + full * w.n, w.n, n0);
-      else if (rest > 4)
-        gemm_rows<8>(tail.data(), panel.data(), words, rest, o + full * w.n, w.n, n0);
-      else if (rest > 0)
-        gemm_rows<4>(tail.data(), panel.data(), words, rest, o + full * w.n, w.n, n0);
-    }
-  });
-  return out;
-}
-
 // bf16 x, R rows against a whole tile: 32 weights of a row at a time (one group or two) dequantized
 // in fp32, rounded to bf16 (as the dense bf16 GEMM's weights are) and kept in wt where given, or
 // read back from wt (kFromScratch); multiplied by vdpbf16ps, 32 products summed in fp32 each.
@@ -812,11 +685,219 @@ void dequantize_tile(const Tiles& w, const uint8_t* tile, float* sbuf, float* ou
     }
 }
 
-// Chunks of weight rows dequantized (in parallel) into scratch of about kChunkBytes in x's dtype T
-// (each tile through an L1-sized fp32 buffer, so a bf16 GEMM's weights are written once, at half
-// the bytes), each chunk then multiplied by one at::mm, which spreads over the threads.
+// The panel GEMMs, for many rows of x (prefill), in place of dequantized chunks into a library
+// GEMM: no dequantized weight leaves L2 and nothing is reordered. Threads split the weight's panels
+// of K::kPanel rows; each thread dequantizes a panel into its scratch, laid out for the vector
+// instructions (K::pack: kPanel / 2 weight rows a vector, by input), and meets it with all of x,
+// K::kRows rows at a time (K::rows): each input of a row of x broadcast against the panel's two
+// vectors, kRows x 2 accumulators summed over all of k, then stored as rows of the output. The
+// last rows of x come from a copy padded with zero rows (a third, two thirds or all of kRows
+// computed, the valid ones stored). x: m rows of `ld` elements of K::X.
+template <typename K, typename I>
+void panel_gemm(const Tiles& w, const typename K::X* x, int64_t m, int64_t ld, typename K::Out* out) {
+  constexpr int R = K::kRows;
+  constexpr int64_t kTiles = K::kPanel / kTileRows;
+  const int64_t full = m / R * R, rest = m - full;
+  std::vector<typename K::X> tail(R * ld);
+  std::copy(x + full * ld, x + m * ld, tail.begin());
+  at::parallel_for(0, (w.tiles + kTiles - 1) / kTiles, 1, [&](int64_t b0, int64_t b1) {
+    K kernel(w);
+    typename K::Out* last = out + full * w.n;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * K::kPanel;
+      kernel.template pack<I>(w, b * kTiles);
+      for (int64_t r0 = 0; r0 < full; r0 += R) kernel.template rows<R>(x + r0 * ld, ld, R, out + r0 * w.n, w.n, n0);
+      if (rest > 2 * R / 3)
+        kernel.template rows<R>(tail.data(), ld, rest, last, w.n, n0);
+      else if (rest > R / 3)
+        kernel.template rows<2 * R / 3>(tail.data(), ld, rest, last, w.n, n0);
+      else if (rest > 0)
+        kernel.template rows<R / 3>(tail.data(), ld, rest, last, w.n, n0);
+    }
+  });
+}
+
+// fp32 x: panels of 2 VL weight rows, [k][2 VL] floats (each tile dequantized, then VL x VL blocks
+// transposed), by FMAs; 12 rows of x a pass with AVX-512's 32 registers, 6 with AVX2's 16.
+struct Fp32Panel {
+  using X = float;
+  using Out = float;
+  static constexpr int kPanel = 2 * VL, kRows = VL == 16 ? 12 : 6;
+  std::vector<float> sbuf, rows_buf, panel;     // rows_buf: the panel's rows [kPanel][k]
+
+  explicit Fp32Panel(const Tiles& w) : sbuf(2 * w.scale_count()), rows_buf(kPanel * w.k), panel(w.k * kPanel) {}
+
+  template <typename I>
+  void pack(const Tiles& w, int64_t t0) {
+    for (int tt = 0; tt < kPanel / kTileRows; ++tt) {
+      float* dst = rows_buf.data() + tt * kTileRows * w.k;
+      if (t0 + tt < w.tiles)
+        dequantize_tile<I>(w, w.tile(t0 + tt), sbuf.data(), dst);
+      else
+        std::fill_n(dst, kTileRows * w.k, 0.f);
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int64_t c = 0; c < w.k; c += VL)
+        at::vec::transpose_mxn<float, VL, VL>(rows_buf.data() + h * VL * w.k + c, w.k, panel.data() + c * kPanel + h * VL, kPanel);
+  }
+
+  template <int MR>
+  void rows(const float* x, int64_t k, int64_t rows, float* out, int64_t n, int64_t n0) const {
+    RawVec acc0[MR], acc1[MR];   // an array of at::vec's vectors this large GCC keeps in memory
+    UNROLL
+    for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = Vec(0.f);
+    for (int64_t p = 0; p < k; ++p) {
+      const Vec w0 = Vec::loadu(panel.data() + p * kPanel), w1 = Vec::loadu(panel.data() + p * kPanel + VL);
+      UNROLL
+      for (int r = 0; r < MR; ++r) {
+        const Vec xv(x[r * k + p]);
+        acc0[r] = at::vec::fmadd(xv, w0, Vec(acc0[r]));
+        acc1[r] = at::vec::fmadd(xv, w1, Vec(acc1[r]));
+      }
+    }
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
+    UNROLL
+    for (int r = 0; r < MR; ++r) {      // constant indices keep acc in registers
+      if (r < rows) {
+        Vec(acc0[r]).store(out + r * n + n0, std::min(VL, cols));
+        if (cols > VL) Vec(acc1[r]).store(out + r * n + n0 + VL, cols - VL);
+      }
+    }
+  }
+};
+
+template <typename I>
+at::Tensor fp32_gemm(const Tiles& w, const at::Tensor& x) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), w.n}, xf.options());
+  panel_gemm<Fp32Panel, I>(w, xf.data_ptr<float>(), x.size(0), w.k, out.data_ptr<float>());
+  return out.to(x.scalar_type());
+}
+
+#if defined(__AVX512BF16__)
+// Words p of 16 rows, r[i] = words 0-15 of row i, into r[p] = word p of rows 0-15.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  UNROLL
+  for (int i = 0; i < 8; ++i) {        // pairs of rows: lane L = words 4L, 4L+1 (lo) or 4L+2, 4L+3 (hi) of both
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  UNROLL
+  for (int i = 0; i < 4; ++i) {        // r[4i + c], lane L: word 4L + c of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  UNROLL
+  for (int c = 0; c < 4; ++c) {        // lane L of the 4 groups of rows into word 4L + c
+    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i v0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
+  }
+  UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// bf16 x on AVX512-BF16: panels of 32 weight rows dequantized and rounded to bf16 (as the dense
+// bf16 GEMM rounds its weights) as vdpbf16ps's operand, pairs of inputs by weight row ([k / 2][32]
+// 32-bit words; a 16 x 16 word transpose), met by a row of x's pairs, 32 products a vdpbf16ps
+// summed in fp32, 12 rows of x a pass; the output rounded to bf16.
+struct Bf16Panel {
+  using X = uint32_t;               // a row of x as pairs of bf16 inputs
+  using Out = at::BFloat16;
+  static constexpr int kPanel = 32, kRows = 12;
+  std::vector<float> sbuf;
+  std::vector<uint32_t> panel;
+
+  explicit Bf16Panel(const Tiles& w) : sbuf(16 / kTileRows * 2 * w.scale_count()), panel(w.k / 2 * kPanel) {}
+
+  template <typename I>
+  void pack(const Tiles& w, int64_t t0) {
+    constexpr int kTiles = 16 / kTileRows;     // a half of the panel: 16 rows
+    for (int half = 0; half < kPanel / 16; ++half) {
+      TileScales s[kTiles];
+      const uint8_t* q[kTiles] = {};
+      for (int tt = 0; tt < kTiles; ++tt) {
+        const int64_t t = t0 + half * kTiles + tt;
+        if (t >= w.tiles) continue;
+        s[tt] = TileScales(w, w.tile(t), sbuf.data() + tt * 2 * w.scale_count());
+        q[tt] = w.ints(w.tile(t));
+      }
+      for (int64_t c = 0; c < w.k; c += 32) {
+        __m512i r[16];
+        for (int tt = 0; tt < kTiles; ++tt) {
+          if (!q[tt]) {
+            UNROLL
+            for (int i = 0; i < kTileRows; ++i) r[tt * kTileRows + i] = _mm512_setzero_si512();
+            continue;
+          }
+          for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q[tt] + (c / I::kGroup + h) * kTileRows * I::kBytes);
+          UNROLL
+          for (int i = 0; i < kTileRows; ++i) {
+            Vec d[2];
+            UNROLL
+            for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q[tt], s[tt], c / I::kGroup + h, i, d + h * I::kVecs);
+            r[tt * kTileRows + i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(d[1], d[0]));
+          }
+        }
+        transpose16(r);
+        UNROLL
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(panel.data() + (c / 2 + p) * kPanel + half * 16, r[p]);
+      }
+    }
+  }
+
+  template <int MR>
+  void rows(const uint32_t* x, int64_t words, int64_t rows, at::BFloat16* out, int64_t n, int64_t n0) const {
+    __m512 acc[MR][2];
+    UNROLL
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < words; ++p) {
+      const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel.data() + p * kPanel));
+      const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel.data() + p * kPanel + 16));
+      UNROLL
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * words + p])));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      }
+    }
+    const int64_t cols = std::min<int64_t>(kPanel, n - n0);
+    const __mmask16 m0 = static_cast<__mmask16>((1u << std::min<int64_t>(16, cols)) - 1);
+    const __mmask16 m1 = static_cast<__mmask16>((1u << std::max<int64_t>(0, cols - 16)) - 1);
+    UNROLL
+    for (int r = 0; r < MR; ++r) {      // constant indices keep acc in registers
+      if (r < rows) {
+        at::BFloat16* o = out + r * n + n0;
+        _mm256_mask_storeu_epi16(o, m0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][0])));
+        _mm256_mask_storeu_epi16(o + 16, m1, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][1])));
+      }
+    }
+  }
+};
+
+template <typename I>
+at::Tensor bf16_gemm(const Tiles& w, const at::Tensor& x) {
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), w.n}, x.options());
+  panel_gemm<Bf16Panel, I>(w, reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()), x.size(0), w.k / 2,
+                           out.data_ptr<at::BFloat16>());
+  return out;
+}
+#endif
+
+// bf16 x with AMX past kAmxMaxRows, or without AVX512-BF16, and fp16 x: chunks of weight rows
+// dequantized (in parallel) into scratch of about kChunkBytes in x's dtype T (each tile through an
+// L1-sized fp32 buffer, so the weights are written once, at half the bytes), each chunk then
+// multiplied by one at::mm (oneDNN), which spreads over the threads.
 template <typename I, typename T>
 at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
+  static_assert(sizeof(T) == 2, "fp32 x takes the panel GEMM");
   const int64_t chunk = std::min(w.tiles, std::max<int64_t>(16, kChunkBytes / (w.k * sizeof(T) * kTileRows)));
   const bool one_chunk = chunk == w.tiles;          // at::mm's result is the output: no copy
   at::Tensor out = one_chunk ? at::Tensor() : at::empty({x.size(0), w.n}, x.options());
@@ -826,18 +907,13 @@ at::Tensor dense_chunks(const Tiles& w, const at::Tensor& x) {
     const int64_t tiles = std::min(chunk, w.tiles - t0), rows = std::min(tiles * kTileRows, w.n - t0 * kTileRows);
     at::parallel_for(0, tiles, 4, [&](int64_t i0, int64_t i1) {
       std::vector<float> sbuf(2 * w.scale_count());
-      std::vector<float> tile_buf(std::is_same_v<T, float> ? 0 : kTileRows * w.k);
+      std::vector<float> tile_buf(kTileRows * w.k);
       for (int64_t t = i0; t < i1; ++t) {
-        T* dst = buf + t * kTileRows * w.k;
-        if constexpr (std::is_same_v<T, float>) {
-          dequantize_tile<I>(w, w.tile(t0 + t), sbuf.data(), dst);
-        } else {
-          dequantize_tile<I>(w, w.tile(t0 + t), sbuf.data(), tile_buf.data());
-          at::vec::convert(tile_buf.data(), dst, kTileRows * w.k);   // rounds to nearest even, as Tensor::to
-        }
+        dequantize_tile<I>(w, w.tile(t0 + t), sbuf.data(), tile_buf.data());
+        at::vec::convert(tile_buf.data(), buf + t * kTileRows * w.k, kTileRows * w.k);   // nearest even, as Tensor::to
       }
     });
-    const at::Tensor y = at::mm(x, scratch.narrow(0, 0, rows).to(x.scalar_type()).t());
+    const at::Tensor y = at::mm(x, scratch.narrow(0, 0, rows).t());
     if (one_chunk) return y;
     out.narrow(1, t0 * kTileRows, rows).copy_(y);
   }
@@ -1003,7 +1079,7 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
 #endif
     if (x.scalar_type() == at::kBFloat16) return dense_chunks<I, at::BFloat16>(w, x);
     if (x.scalar_type() == at::kHalf) return dense_chunks<I, at::Half>(w, x);
-    return dense_chunks<I, float>(w, x);
+    return fp32_gemm<I>(w, x);
   }
   at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
 #if defined(KAITEN_INT8_ACTIVATIONS)
