@@ -1,8 +1,8 @@
 """kaiten_cpu::quant_linear (kernels/csrc/quant_linear_cpu.cpp) against dequantize-then-matmul,
 for every GGUF format (int4 with mins; int8 with and without mins, groups of 16 and 32), its
 methods (fp32 registers, the panel GEMMs, dequantized chunks into at::mm, int8 activations) and
-odd shapes, on fresh random inputs; and the tiles it reads (engine_worker/model/quant_tiles.py). test_other_isa_builds
-runs them again on the AVX2 and portable builds."""
+odd shapes, on fresh random inputs; and the tiles it reads (engine_worker/model/quant_tiles.py).
+test_other_isa_builds runs them again on the AVX2 and portable builds."""
 from __future__ import annotations
 
 import numpy as np

@@ -23,14 +23,15 @@ from shared.gguf_quant import PackedWeight
 # 2 threads, bench/quant_linear.py's four projection shapes, Q4_1 / Q8_0, the GEMM's time against
 # the bf16 dot products in registers: 16 rows 1.04x / 1.06x, 24 0.94x / 0.95x, 48 0.86x / 0.92x,
 # 256 0.75x / 0.72x; against oneDNN on the dense weight prepacked (what --quantization none runs)
-# 0.85-1.06x by shape at 256 rows. fp32: min of 5-11 rounds, 1 thread (the machine had a load of
-# 7-13 on 2 cores),
-# AVX2 EPYC, bench/quant_linear.py's shapes and methods, dense time / this time: int4 registers
-# 1.4-3.6x at 24 rows, 0.9-1.1x at 48-64, dense ahead from 96 (0.6-0.9x); int8 weights 1.2-1.6x at
-# 24, 1.0-1.35x at 48-64, dense ahead from 96-128 (measured before the tiled layout, with the
-# int8-activation method it replaced; on the Zen 4 the tiled fp32 registers were still ahead at
-# 64-128 rows: 1.25-1.9x, and on the Zen 5 at up to 512 rows, 1.5-2.5x: MKL's fp32 GEMM on AMD;
-# kept at 64 until a CPU with Intel's MKL path is measured).
+# 0.85-1.06x by shape at 256 rows. fp32 (the dense method is the panel GEMM): the same Zen 4, Q4_1,
+# the four shapes summed, its time against the fp32 registers 1.08x at 32 rows, 0.86x at 64.
+# Before it (dequantized chunks into MKL): min of 5-11 rounds, 1 thread (the machine had a load of
+# 7-13 on 2 cores), AVX2 EPYC, bench/quant_linear.py's shapes and methods, dense time / this time:
+# int4 registers 1.4-3.6x at 24 rows, 0.9-1.1x at 48-64, dense ahead from 96 (0.6-0.9x); int8
+# weights 1.2-1.6x at 24, 1.0-1.35x at 48-64, dense ahead from 96-128 (measured before the tiled
+# layout, with the int8-activation method it replaced; on the Zen 4 the tiled fp32 registers were
+# still ahead at 64-128 rows: 1.25-1.9x, and on the Zen 5 at up to 512 rows, 1.5-2.5x: MKL's fp32
+# GEMM on AMD).
 MIN_DENSE_ROWS = {torch.bfloat16: 12 if torch.cpu._is_amx_tile_supported() else 24, torch.float32: 64}
 # Rows of x up to which quant_linear multiplies int8-rounded activations by the stored integers
 # (llama.cpp's way; AVX-512 and AVX2 builds, vpdpbusd where the CPU has AVX512-VNNI, else

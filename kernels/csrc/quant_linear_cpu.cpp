@@ -381,6 +381,22 @@ void registers(const Tiles& w, const float* x, int64_t m, float* out) {
 }
 
 #if defined(__AVX512BF16__)
+// Asks for the bytes of a tile's group(s) holding inputs [c, c + 32).
+template <typename I>
+inline void prefetch_32(const uint8_t* q, int64_t c) {
+  for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q + (c / I::kGroup + h) * kTileRows * I::kBytes);
+}
+
+// Inputs [c, c + 32) of a tile's row `lane`, q * scale + min in fp32, rounded to bf16 (nearest
+// even, as the dense bf16 GEMM rounds its weights); q: the tile's integers.
+template <typename I>
+inline __m512bh dequantize_bf16(const uint8_t* q, const TileScales& s, int64_t c, int lane) {
+  Vec d[2];
+  UNROLL
+  for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q, s, c / I::kGroup + h, lane, d + h * I::kVecs);
+  return _mm512_cvtne2ps_pbh(d[1], d[0]);
+}
+
 // bf16 x, R rows against a whole tile: 32 weights of a row at a time (one group or two) dequantized
 // in fp32, rounded to bf16 (as the dense bf16 GEMM's weights are) and kept in wt where given, or
 // read back from wt (kFromScratch); multiplied by vdpbf16ps, 32 products summed in fp32 each.
@@ -395,18 +411,14 @@ inline void bf16_block(const Tiles& w, const uint8_t* q, const TileScales& s, co
     for (int i = 0; i < kTileRows; ++i) acc[r][i] = _mm512_setzero_ps();
   const int64_t k = w.k;
   for (int64_t c = 0; c < k; c += 32) {
-    if constexpr (!kFromScratch)
-      for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q + (c / I::kGroup + h) * kTileRows * I::kBytes);
+    if constexpr (!kFromScratch) prefetch_32<I>(q, c);
     __m512bh wv[kTileRows];
     UNROLL
     for (int i = 0; i < kTileRows; ++i) {
       if constexpr (kFromScratch) {
         wv[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wt + i * k + c));
       } else {
-        Vec d[2];
-        UNROLL
-        for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q, s, c / I::kGroup + h, i, d + h * I::kVecs);
-        wv[i] = _mm512_cvtne2ps_pbh(d[1], d[0]);
+        wv[i] = dequantize_bf16<I>(q, s, c, i);
         if (wt) _mm512_storeu_si512(wt + i * k + c, reinterpret_cast<__m512i>(wv[i]));
       }
     }
@@ -698,7 +710,7 @@ void panel_gemm(const Tiles& w, const typename K::X* x, int64_t m, int64_t ld, t
   constexpr int R = K::kRows;
   constexpr int64_t kTiles = K::kPanel / kTileRows;
   const int64_t full = m / R * R, rest = m - full;
-  std::vector<typename K::X> tail(R * ld);
+  std::vector<typename K::X> tail(rest ? R * ld : 0);
   std::copy(x + full * ld, x + m * ld, tail.begin());
   at::parallel_for(0, (w.tiles + kTiles - 1) / kTiles, 1, [&](int64_t b0, int64_t b1) {
     K kernel(w);
@@ -836,14 +848,9 @@ struct Bf16Panel {
             for (int i = 0; i < kTileRows; ++i) r[tt * kTileRows + i] = _mm512_setzero_si512();
             continue;
           }
-          for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q[tt] + (c / I::kGroup + h) * kTileRows * I::kBytes);
+          prefetch_32<I>(q[tt], c);
           UNROLL
-          for (int i = 0; i < kTileRows; ++i) {
-            Vec d[2];
-            UNROLL
-            for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q[tt], s[tt], c / I::kGroup + h, i, d + h * I::kVecs);
-            r[tt * kTileRows + i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(d[1], d[0]));
-          }
+          for (int i = 0; i < kTileRows; ++i) r[tt * kTileRows + i] = reinterpret_cast<__m512i>(dequantize_bf16<I>(q[tt], s[tt], c, i));
         }
         transpose16(r);
         UNROLL
@@ -969,13 +976,9 @@ inline void dequantize_a_tile(const Tiles& w, int64_t t0, const TileScales* s, i
       continue;
     }
     const uint8_t* q = w.ints(w.tile(t));
-    for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q + (c / I::kGroup + h) * kTileRows * I::kBytes);
-    for (int i = 0; i < kTileRows; ++i) {
-      Vec d[2];
-      UNROLL
-      for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q, s[tt], c / I::kGroup + h, i, d + h * I::kVecs);
-      _mm512_storeu_si512(a + (tt * kTileRows + i) * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(d[1], d[0])));
-    }
+    prefetch_32<I>(q, c);
+    for (int i = 0; i < kTileRows; ++i)
+      _mm512_storeu_si512(a + (tt * kTileRows + i) * 32, reinterpret_cast<__m512i>(dequantize_bf16<I>(q, s[tt], c, i)));
   }
 }
 
