@@ -470,6 +470,8 @@ def test_errors_render_inline(browser, stack):
         def on_message(message):
             f = json.loads(message)
             frames.append(f)
+            if f.get("type") == "ping":                                  # as the server answers
+                ws.send(json.dumps({"type": "pong"}))
             if f.get("type") != "chat":
                 return
             if sum(1 for x in frames if x.get("type") == "chat") == 1:

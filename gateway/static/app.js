@@ -679,20 +679,19 @@
     var sock;
     try { sock = new WebSocket(wsUrl(), window.KaitenAuth.protocols()); } catch (e) { ws = null; onSocketClosed("could not open a socket"); return; }
     ws = sock;
+    // The server accepts every handshake and then refuses a bad key with a 401 frame, so the socket
+    // is "open" only once a first ping is answered: a refused socket never gets that far.
     sock.onopen = function () {
       if (ws !== sock) return;
-      wsOpen = true;
-      attempt = 0;
-      setConn("open");
-      flushOutbox();
-      // Queued notes say "Sending…" now.
-      convo.messages.forEach(function (m) { if (m.state === "queued") renderMessage(m); });
+      try { sock.send(JSON.stringify({ type: "ping" })); } catch (e) { onSocketClosed("could not send"); return; }
+      pongTimer = setTimeout(function () { pongTimer = null; onSocketClosed("no answer to ping"); }, PONG_TIMEOUT_MS);
     };
     sock.onmessage = function (ev) {
       if (ws !== sock) return;
       clearTimeout(pongTimer); pongTimer = null;
       var f;
       try { f = JSON.parse(ev.data); } catch (e) { return; }
+      if (!wsOpen && f && f.type === "pong") { onConfirmed(); return; }
       onFrame(f);
     };
     sock.onerror = function () { /* onclose follows */ };
@@ -700,6 +699,15 @@
       if (ws !== sock) return;
       onSocketClosed(ev && ev.code ? "closed (" + ev.code + ")" : "closed");
     };
+  }
+
+  function onConfirmed() {
+    wsOpen = true;
+    attempt = 0;
+    setConn("open");
+    flushOutbox();
+    // Queued notes say "Sending…" now.
+    convo.messages.forEach(function (m) { if (m.state === "queued") renderMessage(m); });
   }
 
   // Forget the socket and recover every generation it carried (the server aborts them).
