@@ -69,9 +69,10 @@ def test_quant_linear_matches_dequantized_matmul(fmt, n, k, m, method):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_method_on_a_large_weight(dtype):
     """A weight of 10 panels and 70 rows of x (5 passes of the panel GEMM's 12 rows and a tail of
-    10; fp32 x, and bf16 x on AVX512-BF16 without AMX), or larger than one dequantized chunk (4 MiB
-    of scratch: 256 bf16 rows of k 8192) where the dense method is the chunks into oneDNN (bf16 x
-    in the other builds): every output column right."""
+    10; fp32 x, and bf16 x on AVX512-BF16; with AMX, 2 passes of 32 rows on the tiles and a tail of
+    6), or larger than one dequantized chunk (4 MiB of scratch: 256 bf16 rows of k 8192) where the
+    dense method is the chunks into oneDNN (bf16 x in the other builds): every output column
+    right."""
     lin = layer("Q4_0", 300, 8192)
     x = fresh_x(70, 8192, 5).to(dtype)
     out = quant_linear(x, lin, "dense")
@@ -86,8 +87,8 @@ def test_dense_method_on_a_large_weight(dtype):
 def test_half_precision_activations(fmt, n, k, m, dtype):
     """bf16 and fp16 x, the output in x's dtype. With more rows than a group has vectors, an
     AVX512-BF16 build rounds the dequantized weights to bf16 for bf16 x and multiplies in bf16 dot
-    products summed in fp32, as the dense bf16 GEMM does (on a CPU with AMX, the dense method's
-    rows up to 64 multiply so on the tiles); every method stays within 1e-2 of the exact product (of
+    products summed in fp32, as the dense bf16 GEMM does (on a CPU with AMX, the dense method
+    multiplies so on the tiles: its tile kernel up to 32 rows, the panels past that); every method stays within 1e-2 of the exact product (of
     the rounded x) at the output's scale."""
     lin = layer(fmt, n, k)
     x = fresh_x(m, k, m).to(dtype)

@@ -15,10 +15,11 @@ from engine_worker.model.quant_tiles import dequantize, to_tiles
 from shared.gguf_quant import PackedWeight
 
 # Rows of x from which quant_linear dequantizes for a dense GEMM, by x's dtype (the dense GEMM's
-# speed is the dtype's). bf16 with AMX (from there to 64 rows its own AMX kernel, then oneDNN's
-# bf16 GEMM on dequantized chunks): 2-core Xeon, 2 threads, 30 layers' projections, Q4_1 / Q8_0,
-# ms: 8 rows AMX 14.9 / 17.2, int8 activations 12.3 / 13.6; 16 rows AMX 18.2 / 21.2, int8 19.1 /
-# 32.0, oneDNN chunks 30.5 / 35.0; 32 rows AMX 24.7 / 29.2, oneDNN 34.1 / 42.4; 64 rows alike.
+# speed is the dtype's). bf16 with AMX (from there to 32 rows its own AMX tile kernel, then the
+# AMX panel GEMM): 2-core Xeon, 2 threads, 30 layers' projections, Q4_1 / Q8_0, ms: 8 rows AMX
+# 14.9 / 17.2, int8 activations 12.3 / 13.6; 16 rows AMX 18.2 / 21.2, int8 19.1 / 32.0, oneDNN
+# chunks 30.5 / 35.0; 32 rows AMX 24.7 / 29.2, oneDNN 34.1 / 42.4 (the chunks were the method past
+# 64 rows until the panel GEMM).
 # bf16 without AMX (the kernel's own bf16 GEMM from there): 2-core Zen 4 EPYC with AVX512-BF16,
 # 2 threads, bench/quant_linear.py's four projection shapes, Q4_1 / Q8_0, the GEMM's time against
 # the bf16 dot products in registers: 16 rows 1.04x / 1.06x, 24 0.94x / 0.95x, 48 0.86x / 0.92x,
