@@ -81,6 +81,19 @@ def test_dense_method_on_a_large_weight(dtype):
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_method_in_groups_of_panels(dtype):
+    """32 panels of k 1024 (64 KiB each in bf16, 128 KiB in fp32 on AVX-512): the panel GEMMs
+    dequantize a quarter of L2's worth at a time, so each thread has several groups, the last one
+    short, and 100 rows of x meet every panel of a group before the next is dequantized."""
+    lin = layer("Q4_1", 1000, 1024)
+    x = fresh_x(100, 1024, 7).to(dtype)
+    out = quant_linear(x, lin, "dense")
+    ref = reference(x, lin).double()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("fmt,n,k", CASES)
 @pytest.mark.parametrize("m", [1, 2, 3, 6, 33, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
