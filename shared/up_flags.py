@@ -48,7 +48,7 @@ CHILD_FLAGS = (
     ChildFlag("--max-model-len", "KAITEN_MAX_MODEL_LEN", "engine", "context length (default: the model's)", int),
     ChildFlag("--max-num-seqs", "KAITEN_MAX_NUM_SEQS", "engine", "most requests in one batch (default 256)", int),
     ChildFlag("--max-num-batched-tokens", "KAITEN_MAX_NUM_BATCHED_TOKENS", "engine",
-              "tokens per step (default 2048 on a GPU, 256 on the CPU)", int),
+              "tokens per step (default 2048 on a GPU, 1024 on the CPU)", int),
     ChildFlag("--kv-cache-memory", "KAITEN_KV_CACHE_MEMORY", "engine",
               "KV cache budget: bytes or e.g. 2GiB (default auto)"),
     ChildFlag("--gpu-memory-utilization", "KAITEN_GPU_MEMORY_UTILIZATION", "engine",
