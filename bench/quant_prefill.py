@@ -7,7 +7,7 @@ prefills the same --prompts random prompts of --length tokens (max_tokens 1) und
 --budget tokens; the median over rounds of its time per prompt token is reported, and the ratio
 quantized / dequantized (<1: the quantized engine is faster).
 
-    .venv/bin/python bench/quant_prefill.py [--prompts 16] [--length 256] [--budget 256] [--rounds 3]
+    .venv/bin/python bench/quant_prefill.py [--prompts 16] [--length 256] [--budget 1024] [--rounds 3]
 
 Writes bench/results/quant_prefill.md.
 """
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
 from kernels.cpu_attention import cpu_capability  # noqa: E402
+from shared.config import CPU_TOKEN_BUDGET  # noqa: E402
 from shared.gguf_convert import ensure_default_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -42,7 +43,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--length", type=int, default=256)
-    ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
+    ap.add_argument("--budget", type=int, default=CPU_TOKEN_BUDGET, help="max_num_batched_tokens")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     model = str(ensure_default_model())
