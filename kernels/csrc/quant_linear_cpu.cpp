@@ -711,7 +711,7 @@ struct Aligned {
 
 // The panel GEMMs, for many rows of x (prefill), in place of dequantized chunks into a library
 // GEMM: no dequantized weight leaves L2 and nothing is reordered. Threads split the weight's panels
-// of K::kPanel rows; each thread dequantizes a group of panels (about kGroupBytes) into its
+// of K::kPanel rows; each thread dequantizes a group of panels (about group_bytes()) into its
 // scratch, laid out for the vector instructions (K::pack: kPanel / 2 weight rows a vector, by
 // input), and meets them with all of x, K::kRows rows at a time (K::rows): each input of a row of
 // x broadcast against a panel's two vectors, kRows x 2 accumulators summed over all of k, then
