@@ -73,12 +73,7 @@ def test_dense_method_on_a_large_weight(dtype):
     6), or larger than one dequantized chunk (4 MiB of scratch: 256 bf16 rows of k 8192) where the
     dense method is the chunks into oneDNN (bf16 x in the other builds): every output column
     right."""
-    lin = layer("Q4_0", 300, 8192)
-    x = fresh_x(70, 8192, 5).to(dtype)
-    out = quant_linear(x, lin, "dense")
-    ref = reference(x, lin).double()
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert_dense_method_right("Q4_0", 300, 8192, 70, 5, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -86,8 +81,14 @@ def test_dense_method_in_groups_of_panels(dtype):
     """32 panels of k 1024 (64 KiB each in bf16, 128 KiB in fp32 on AVX-512): the panel GEMMs
     dequantize a quarter of L2's worth at a time, so each thread has several groups, the last one
     short, and 100 rows of x meet every panel of a group before the next is dequantized."""
-    lin = layer("Q4_1", 1000, 1024)
-    x = fresh_x(100, 1024, 7).to(dtype)
+    assert_dense_method_right("Q4_1", 1000, 1024, 100, 7, dtype)
+
+
+def assert_dense_method_right(fmt: str, n: int, k: int, m: int, seed: int, dtype: torch.dtype) -> None:
+    """The dense method on m rows of x against dequantize-then-matmul in fp64 (bf16 x: within 2e-2
+    at the output's scale, fp32 x: 1e-4)."""
+    lin = layer(fmt, n, k)
+    x = fresh_x(m, k, seed).to(dtype)
     out = quant_linear(x, lin, "dense")
     ref = reference(x, lin).double()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -101,8 +102,8 @@ def test_half_precision_activations(fmt, n, k, m, dtype):
     """bf16 and fp16 x, the output in x's dtype. With more rows than a group has vectors, an
     AVX512-BF16 build rounds the dequantized weights to bf16 for bf16 x and multiplies in bf16 dot
     products summed in fp32, as the dense bf16 GEMM does (on a CPU with AMX, the dense method
-    multiplies so on the tiles: its tile kernel up to 32 rows, the panels past that); every method stays within 1e-2 of the exact product (of
-    the rounded x) at the output's scale."""
+    multiplies so on the tiles: its tile kernel up to 32 rows, the panels past that); every method
+    stays within 1e-2 of the exact product (of the rounded x) at the output's scale."""
     lin = layer(fmt, n, k)
     x = fresh_x(m, k, m).to(dtype)
     ref = reference(x.double(), lin)

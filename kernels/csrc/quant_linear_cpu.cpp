@@ -709,17 +709,6 @@ struct Aligned {
   T* data() const { return p.get(); }
 };
 
-// The panel GEMMs, for many rows of x (prefill), in place of dequantized chunks into a library
-// GEMM: no dequantized weight leaves L2 and nothing is reordered. Threads split the weight's panels
-// of K::kPanel rows; each thread dequantizes a group of panels (about group_bytes()) into its
-// scratch, laid out for the vector instructions (K::pack: kPanel / 2 weight rows a vector, by
-// input), and meets them with all of x, K::kRows rows at a time (K::rows): each input of a row of
-// x broadcast against a panel's two vectors, kRows x 2 accumulators summed over all of k, then
-// stored as rows of the output. Those rows of x meet every panel of the group while they are in
-// L1, so x, which outgrows L2 in a long prefill, is read once a group rather than once a panel.
-// The last rows of x come from a copy padded with zero rows (a third, two thirds or all of kRows
-// computed, the valid ones stored). x: m rows of `ld` elements of K::X.
-
 // A group's bytes: a quarter of the core's L2 (1 MiB where the OS does not say). 2-core Xeon with
 // AMX (2 MiB L2), bf16, Q4_1, gate_up 3072x576 / down 576x1536 at 256, 1024 and 2048 rows, time
 // against oneDNN on the dense weight: groups of 192 KiB 1.11 / 0.59, 1.27 / 0.61, 1.56 / 1.10;
@@ -732,6 +721,16 @@ inline int64_t group_bytes() {
   return bytes;
 }
 
+// The panel GEMMs, for many rows of x (prefill), in place of dequantized chunks into a library
+// GEMM: no dequantized weight leaves L2 and nothing is reordered. Threads split the weight's panels
+// of K::kPanel rows; each thread dequantizes a group of panels (about group_bytes()) into its
+// scratch, laid out for the vector instructions (K::pack: kPanel / 2 weight rows a vector, by
+// input), and meets them with all of x, K::kRows rows at a time (K::rows): each input of a row of
+// x broadcast against a panel's two vectors, kRows x 2 accumulators summed over all of k, then
+// stored as rows of the output. Those rows of x meet every panel of the group while they are in
+// L1, so x, which outgrows L2 in a long prefill, is read once a group rather than once a panel.
+// The last rows of x come from a copy padded with zero rows (a third, two thirds or all of kRows
+// computed, the valid ones stored). x: m rows of `ld` elements of K::X.
 template <typename K, typename I>
 void panel_gemm(const Tiles& w, const typename K::X* x, int64_t m, int64_t ld, typename K::Out* out) {
   constexpr int R = K::kRows;
