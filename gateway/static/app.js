@@ -594,7 +594,7 @@
     if (!f || typeof f !== "object") return;
     if (f.type === "pong") return;
     var m = f.id != null ? byId.get(f.id) : null;
-    if (f.type === "error" && !m && f.status === 401) { authRefused = true; window.KaitenAuth.required(); return; }
+    if (f.type === "error" && !m && f.status === 401) { window.KaitenAuth.required(); return; }
     if (f.type === "error" && !m) { showNotice(f); return; }
     if (!m) return;   // a generation this page no longer tracks (new chat, stopped locally)
     switch (f.type) {
@@ -684,7 +684,7 @@
     sock.onopen = function () {
       if (ws !== sock) return;
       try { sock.send(JSON.stringify({ type: "ping" })); } catch (e) { onSocketClosed("could not send"); return; }
-      pongTimer = setTimeout(function () { pongTimer = null; onSocketClosed("no answer to ping"); }, PONG_TIMEOUT_MS);
+      awaitPong();
     };
     sock.onmessage = function (ev) {
       if (ws !== sock) return;
@@ -699,6 +699,11 @@
       if (ws !== sock) return;
       onSocketClosed(ev && ev.code ? "closed (" + ev.code + ")" : "closed");
     };
+  }
+
+  // A ping was sent: the socket is given up unless some frame arrives within PONG_TIMEOUT_MS.
+  function awaitPong() {
+    pongTimer = setTimeout(function () { pongTimer = null; onSocketClosed("no answer to ping"); }, PONG_TIMEOUT_MS);
   }
 
   function onConfirmed() {
@@ -785,9 +790,7 @@
 
   setInterval(function () {
     if (!wsOpen || pongTimer) return;
-    if (sendFrame({ type: "ping" })) {
-      pongTimer = setTimeout(function () { pongTimer = null; onSocketClosed("no answer to ping"); }, PONG_TIMEOUT_MS);
-    }
+    if (sendFrame({ type: "ping" })) awaitPong();
   }, PING_EVERY_MS);
 
   // Another tab changed the chats: list them again, and follow the open chat unless this tab is in
@@ -901,6 +904,15 @@
   window.KaitenAuth.onChange(function () {
     authRefused = false;
     if (!wsOpen) { if (ws) onSocketClosed("new API key"); reconnectSoon(); }
+  });
+  // The key was refused (by this socket or by status.js's poll, with the same key): wait for a new
+  // one; a socket the server has not answered yet is refused too, so it is dropped now.
+  window.KaitenAuth.onRefused(function () {
+    authRefused = true;
+    if (wsOpen) return;
+    clearTimeout(reconnectTimer); reconnectTimer = null;
+    if (ws) onSocketClosed("API key refused");
+    else setConn("auth");
   });
   $("api-key-open").addEventListener("click", function () { closeSettings(); window.KaitenAuth.open(); });
   ["model", "system", "temperature", "top_p", "max_tokens", "seed"].forEach(function (k) {

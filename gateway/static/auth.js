@@ -8,10 +8,11 @@
  * Storage: sessionStorage by default (this tab only, gone when it closes: a key is a credential),
  * localStorage when "Remember in this browser" is ticked (for one's own machine).
  *
- * A 401 (from status.js or the socket) calls required(): the key form opens with a prompt. Saving a
- * key calls every onChange callback (app.js reconnects, status.js polls).
+ * A 401 (from status.js or the socket) calls required(): every onRefused callback (app.js drops a
+ * socket not yet answered, which the server refuses too) and the key form opens with a prompt.
+ * Saving a key calls every onChange callback (app.js reconnects, status.js polls).
  *
- * window.KaitenAuth = { key(), headers(), protocols(), required(), open(), onChange(cb) }
+ * window.KaitenAuth = { key(), headers(), protocols(), required(), open(), onChange(cb), onRefused(cb) }
  */
 (function () {
   "use strict";
@@ -20,6 +21,7 @@
   var WS_PROTOCOL = "kaiten.v1";
   var BEARER_PREFIX = "kaiten.bearer.";
   var listeners = [];
+  var refusedListeners = [];
 
   function $(id) { return document.getElementById(id); }
   var els = {
@@ -69,6 +71,7 @@
   }
 
   function required() {
+    refusedListeners.forEach(function (cb) { cb(); });
     if (!els.form.hidden && els.form.getAttribute("data-reason") === "refused") return;
     show(key() ? "The server did not accept this API key (401). Enter the key it was started with."
                : "This server needs an API key (it was started with --api-key). Enter it to chat.", true);
@@ -96,5 +99,6 @@
   window.KaitenAuth = {
     key: key, headers: headers, protocols: protocols, required: required, open: open,
     onChange: function (cb) { listeners.push(cb); },
+    onRefused: function (cb) { refusedListeners.push(cb); },
   };
 })();
