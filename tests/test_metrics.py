@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -118,11 +117,8 @@ def test_request_histograms_and_engine_series(system):
     assert one(e, "kaiten:engine_worker_events_total", engine=ENGINE, event="requests") >= 6
     # The engine's gauges are its stats as of a step; the last tokens can reach the client before
     # the step that finished them has left its stats (CI once scraped 1 here).
-    deadline = time.monotonic() + 10
-    while one(e, "kaiten:num_requests_running", engine=ENGINE) != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-        e = scrape(engine)
-    assert one(e, "kaiten:num_requests_running", engine=ENGINE) == 0
+    wait_until(lambda: one(scrape(engine), "kaiten:num_requests_running", engine=ENGINE) == 0, timeout=10,
+               what="the engine's num_requests_running gauge to read 0")
     assert "kaiten:num_engines" not in a and "kaiten:prefix_cache_hit_rate" not in e
     assert one(a, "kaiten:request_stream_backlog") == 0
 
