@@ -5,8 +5,10 @@ A single decode has as many work items as kv heads (3 for SmolLM2-135M), too few
 the kernel splits them over the context and merges the parts (paged_attention_cpu.cpp,
 split_decodes). Each layer has a cache of its own, and a 3 MiB buffer is read between layers
 (about a layer's quantized weights), so the KV rows come from memory as in a step. Also a batch
-of 4 and of 32 decodes (no split) as a check that batched steps keep their speed. Rounds
-alternate the thread counts; the table gives the medians.
+of 4 and of 32 decodes (no split) as a check that batched steps keep their speed. Each case runs
+on an fp32 cache and on an fp16 one (--kv-cache-dtype float16, widened to fp32 as read, fp32
+queries), both on huge pages as the engine's. Rounds alternate the thread counts; the table gives
+the medians.
 
     .venv/bin/python bench/attention_one_stream.py [--rounds 5]
 
@@ -27,11 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
+from engine_worker.model.host_memory import zeros_on_huge_pages  # noqa: E402
 from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS, BLOCKS, BS, HKV, D, HQ = 30, 4096, 16, 3, 64, 9
 CASES = [(1, 256), (1, 1024), (4, 1024), (32, 384)]     # (sequences, context)
+CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 def step_ms(caches, flush, batch: int, ctx: int, reps: int) -> float:
@@ -64,7 +68,9 @@ def main() -> None:
     load_extension()
     torch.manual_seed(0)
     load0 = load_avg()
-    caches = [(torch.randn(BLOCKS, BS, HKV, D), torch.randn(BLOCKS, BS, HKV, D)) for _ in range(LAYERS)]
+    def cache(dtype):
+        return zeros_on_huge_pages((BLOCKS, BS, HKV, D), dtype).normal_()
+    caches = {name: [(cache(dt), cache(dt)) for _ in range(LAYERS)] for name, dt in CACHE_DTYPES.items()}
     flush = torch.randn(3 << 18)
     threads = torch.get_num_threads()
     runs: dict[str, list[float]] = {}
@@ -72,7 +78,9 @@ def main() -> None:
         for n in ((threads, 1) if rnd % 2 == 0 else (1, threads)):
             torch.set_num_threads(n)
             for batch, ctx in CASES:
-                runs.setdefault(f"{batch}x{ctx}@{n}", []).append(step_ms(caches, flush, batch, ctx, args.reps))
+                for name in CACHE_DTYPES:
+                    runs.setdefault(f"{name}:{batch}x{ctx}@{n}", []).append(
+                        step_ms(caches[name], flush, batch, ctx, args.reps))
     torch.set_num_threads(threads)
     med = {k: round(statistics.median(v), 3) for k, v in runs.items()}
     result = {"cpu": cpu_name(), "flags": cpu_flags(), "isa": cpu_capability()[0], "threads": threads,
@@ -80,12 +88,15 @@ def main() -> None:
     lines = ["# One stream's decode attention: all threads against one\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), kernel ISA {result['isa']}, torch {torch.__version__}; "
              f"load {load0} before, {result['load_after']} after. SmolLM2-135M's attention (9 query heads, 3 kv "
-             f"heads, head_dim 64, fp32 cache, block 16), {LAYERS} layers, a 3 MiB read between layers; median of "
-             f"{args.rounds} alternating rounds of the median of {args.reps} steps.\n",
-             f"| sequences x context | {threads} threads ms | 1 thread ms | {threads} / 1 |", "|---|---:|---:|---:|"]
+             f"heads, head_dim 64, fp32 queries, block 16), {LAYERS} layers, caches on huge pages, a 3 MiB read "
+             f"between layers; median of {args.rounds} alternating rounds of the median of {args.reps} steps.\n",
+             f"| sequences x context | fp32 cache, {threads} threads ms | 1 thread ms | {threads} / 1 "
+             f"| fp16 cache, {threads} threads ms | 1 thread ms | fp16 / fp32, {threads} threads |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for batch, ctx in CASES:
-        a, b = med[f"{batch}x{ctx}@{threads}"], med[f"{batch}x{ctx}@1"]
-        lines.append(f"| {batch} x {ctx} | {a:.2f} | {b:.2f} | {a / b:.2f} |")
+        a, b = med[f"fp32:{batch}x{ctx}@{threads}"], med[f"fp32:{batch}x{ctx}@1"]
+        c, d = med[f"fp16:{batch}x{ctx}@{threads}"], med[f"fp16:{batch}x{ctx}@1"]
+        lines.append(f"| {batch} x {ctx} | {a:.2f} | {b:.2f} | {a / b:.2f} | {c:.2f} | {d:.2f} | {c / a:.2f} |")
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

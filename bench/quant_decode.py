@@ -1,14 +1,16 @@
 """Decode speed and perplexity of the default model served quantized (--quantization auto: the
-GGUF's Q4_1/Q8_0 matrices as stored) against the same file dequantized (none, bf16 and fp32).
+GGUF's Q4_1/Q8_0 matrices as stored, with its fp16 KV cache and with an fp32 one) against the
+same file dequantized (none, bf16 and fp32).
 
 All engines live in one process. For each batch size, every engine gets the same B random prompts
 of --context tokens and prefills them; then rounds of --steps decode steps alternate between the
 engines, and the median step time gives tok/s (B tokens a step). Perplexity: the prompt logprobs
 of a fixed text. Resident weight bytes: parameters and buffers of the model.
 
-    .venv/bin/python bench/quant_decode.py [--batch 1,32] [--rounds 7] [--steps 8]
+    .venv/bin/python bench/quant_decode.py [--batch 1,32] [--rounds 7] [--steps 8] [--quantized-only]
 
-Writes bench/results/quant_decode.md.
+Writes bench/results/quant_decode.md (--quantized-only: the two quantized engines alone, the fp32
+KV cache the baseline, into quant_decode_kv.md).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from kernels.cpu_attention import cpu_capability  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINES = {"quantized (auto), dtype auto": {"quantization": "auto"},
+           "quantized (auto), fp32 KV cache": {"quantization": "auto", "kv_cache_dtype": "float32"},
            "dequantized (none), dtype auto": {"quantization": "none"},
            "dequantized (none), fp32": {"quantization": "none", "dtype": "float32"}}
 TEXT = ("The history of the bicycle begins in the early nineteenth century, when inventors in Europe "
@@ -83,20 +86,22 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--quantized-only", action="store_true", help="only the engines on the quantized weights")
     args = ap.parse_args()
     from shared.gguf_convert import ensure_default_model
     model = str(ensure_default_model())
     load0 = load_avg()
-    engines = {name: LLM(model, max_num_seqs=64, kv_cache_memory="512MiB", **kw) for name, kw in ENGINES.items()}
+    chosen = {name: kw for name, kw in ENGINES.items() if not args.quantized_only or kw["quantization"] == "auto"}
+    engines = {name: LLM(model, max_num_seqs=64, kv_cache_memory="512MiB", **kw) for name, kw in chosen.items()}
     ppl = {name: perplexity(llm) for name, llm in engines.items()}
-    base = "dequantized (none), fp32"
+    base = "dequantized (none), fp32" if not args.quantized_only else "quantized (auto), fp32 KV cache"
     lines = ["# Decode: quantized vs dequantized weights (SmolLM2-135M-Instruct, Q4_1 GGUF)\n",
              f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, extension ISA {cpu_capability()[0]}, "
              f"torch {torch.__version__}; load {load0} before, {{load1}} after. Context {args.context}, "
              f"median of {args.rounds} alternating rounds x {args.steps} steps.\n",
-             "| engine | dtype | weights MB | perplexity | " + " | ".join(
-                 f"B={b} step ms | B={b} tok/s | vs fp32" for b in args.batch.split(",")) + " |",
-             "|---|---|---:|---:|" + "---:|---:|---:|" * len(args.batch.split(","))]
+             "| engine | dtype | KV cache | weights MB | perplexity | " + " | ".join(
+                 f"B={b} step ms | B={b} tok/s | vs {base}" for b in args.batch.split(",")) + " |",
+             "|---|---|---|---:|---:|" + "---:|---:|---:|" * len(args.batch.split(","))]
     cells = {name: [] for name in engines}
     for b in (int(x) for x in args.batch.split(",")):
         ms = decode_ms(engines, b, args.context, args.rounds, args.steps)
@@ -104,11 +109,11 @@ def main() -> int:
             cells[name] += [f"{ms[name]:.2f}", f"{b * 1e3 / ms[name]:.1f}", f"{ms[base] / ms[name]:.2f}x"]
         print(b, ms, flush=True)
     for name, llm in engines.items():
-        dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
-        lines.append(f"| {name} | {dtype} | {weight_bytes(llm) / 1e6:.0f} | {ppl[name]:.3f} | " + " | ".join(cells[name]) + " |")
+        dtype, kv = (str(d).removeprefix("torch.") for d in (llm.engine.runner.dtype, llm.engine.runner.kv_dtype))
+        lines.append(f"| {name} | {dtype} | {kv} | {weight_bytes(llm) / 1e6:.0f} | {ppl[name]:.3f} | " + " | ".join(cells[name]) + " |")
     text = "\n".join(lines).replace("{load1}", str(load_avg())) + "\n"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quant_decode.md").write_text(text)
+    (RESULTS / ("quant_decode_kv.md" if args.quantized_only else "quant_decode.md")).write_text(text)
     print(text)
     return 0
 

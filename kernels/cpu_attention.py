@@ -212,6 +212,7 @@ class CppAttention:
     name = "cpu"
     cuda_graph_safe = False
     compile_safe = True
+    any_kv_dtype = True         # fp32 or bf16 queries; an fp32, bf16 or fp16 cache
 
     def __init__(self) -> None:
         load_extension()
@@ -224,8 +225,8 @@ class CppAttention:
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out_dtype = q.dtype
-        if q.dtype != k_cache.dtype:
-            q = q.to(k_cache.dtype)
+        if q.dtype not in (torch.float32, torch.bfloat16):
+            q = q.to(torch.float32)
         out = torch.ops.kaiten_cpu.paged_attention(q, k_cache, v_cache, _int32(meta.cu_seqlens_q),
                                                    _int32(meta.seqlens_k), _int32(meta.block_tables), float(scale))
         return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -27,6 +27,7 @@ class FlashAttention:
     name = "flash_attn"
     cuda_graph_safe = True
     compile_safe = False
+    any_kv_dtype = False
     REQUIRED_BLOCK_SIZE = 256
 
     def __init__(self):

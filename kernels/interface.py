@@ -46,6 +46,7 @@ class AttentionBackend(Protocol):
     cuda_graph_safe: bool       # launches capturable in a CUDA graph (no host syncs or host values)
     compile_safe: bool          # traceable by torch.compile as it is (dispatcher ops with fake kernels,
                                 # no host values); else the compiled model reaches it through custom ops
+    any_kv_dtype: bool          # reads a KV cache of another dtype than the queries' (widening it as read)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

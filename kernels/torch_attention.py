@@ -81,6 +81,7 @@ class TorchAttention:
     name = "torch"
     cuda_graph_safe = False     # plans on the host from the metadata's values
     compile_safe = False
+    any_kv_dtype = True         # the gathered K/V are converted to the queries' dtype
 
     def __init__(self, group_max_seqs: int = 8, group_min_fill: float = 0.8,
                  group_max_tokens: int = 8192) -> None:
@@ -131,12 +132,9 @@ class TorchAttention:
         if hq % hkv:
             raise ValueError(f"num_heads {hq} is not a multiple of num_kv_heads {hkv}")
         group = hq // hkv
-        out_dtype = q.dtype
-        if q.dtype != k_cache.dtype:
-            q = q.to(k_cache.dtype)
         out = torch.empty((num_tokens, hq, d), dtype=q.dtype, device=q.device)
         if num_tokens == 0:
-            return out.to(out_dtype)
+            return out
 
         plan = self._get_plan(meta, block_size, q.device, q.dtype)
         kbuf, vbuf = self._workspace(plan.max_gather_blocks, k_cache)
@@ -148,8 +146,8 @@ class TorchAttention:
             torch.index_select(k_cache, 0, g.blocks, out=kb)
             torch.index_select(v_cache, 0, g.blocks, out=vb)
             # [n*nblk, bs, Hkv, D] -> [n, Hkv, L, D] (a strided view, no copy)
-            k = kb.view(n, nblk * block_size, hkv, d).transpose(1, 2)
-            v = vb.view(n, nblk * block_size, hkv, d).transpose(1, 2)
+            k = kb.view(n, nblk * block_size, hkv, d).transpose(1, 2).to(q.dtype)
+            v = vb.view(n, nblk * block_size, hkv, d).transpose(1, 2).to(q.dtype)
             if g.tok_idx is None:
                 qg = q[g.tok_start: g.tok_start + n]
             else:
@@ -168,8 +166,8 @@ class TorchAttention:
             vb = vbuf[: p.nblk]
             torch.index_select(k_cache, 0, p.blocks, out=kb)
             torch.index_select(v_cache, 0, p.blocks, out=vb)
-            k = kb.view(p.nblk * block_size, hkv, d)[: p.ctx].transpose(0, 1).unsqueeze(0)
-            v = vb.view(p.nblk * block_size, hkv, d)[: p.ctx].transpose(0, 1).unsqueeze(0)
+            k = kb.view(p.nblk * block_size, hkv, d)[: p.ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            v = vb.view(p.nblk * block_size, hkv, d)[: p.ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
             qp = q[p.q_start: p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
             if p.mask is None:
                 o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale,
@@ -179,7 +177,7 @@ class TorchAttention:
                                                    enable_gqa=group > 1)
             out[p.q_start: p.q_start + p.q_len] = o[0].transpose(0, 1)
 
-        return out if out_dtype == out.dtype else out.to(out_dtype)
+        return out
 
     # ------------------------------------------------------------------ helpers
     def _workspace(self, nblocks: int, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

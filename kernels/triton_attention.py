@@ -376,6 +376,7 @@ class TritonAttention:
     name = "triton"
     cuda_graph_safe = True      # no host syncs, grids from shapes and meta.max_seqlen_* only
     compile_safe = False
+    any_kv_dtype = False
 
     def __init__(self, *, prefill_block_m: int | None = None, prefill_block_n: int | None = None,
                  decode_block_n: int | None = None, decode_splits: int | None = None,

@@ -142,6 +142,8 @@ class EngineConfig(_EnvConfig):
     block_size: int = 16
     kv_cache_memory: str = "auto"        # KV pool budget: bytes, "2GiB", or auto: 1GiB on the CPU,
                                          # on CUDA gpu_memory_utilization minus the profiled peak
+    kv_cache_dtype: str = "auto"         # auto | float16 | bfloat16 | float32 (auto: fp16 when serving
+                                         # a GGUF's quantized weights as stored, else the model's dtype)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory this engine may use
     enforce_eager: bool = False          # CUDA: no CUDA graphs for decode steps; CPU: no
                                          # torch.compile (the eager model, for debugging)

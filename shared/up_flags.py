@@ -51,6 +51,9 @@ CHILD_FLAGS = (
               "tokens per step (default 2048 on a GPU, 1024 on the CPU)", int),
     ChildFlag("--kv-cache-memory", "KAITEN_KV_CACHE_MEMORY", "engine",
               "KV cache budget: bytes or e.g. 2GiB (default auto)"),
+    ChildFlag("--kv-cache-dtype", "KAITEN_KV_CACHE_DTYPE", "engine",
+              "auto | float16 | bfloat16 | float32 (auto: float16 when serving a GGUF's quantized weights "
+              "as stored, as llama.cpp does; else --dtype)"),
     ChildFlag("--gpu-memory-utilization", "KAITEN_GPU_MEMORY_UTILIZATION", "engine",
               "CUDA: fraction of the GPU's memory the engine may use (default 0.9)", float),
     ChildFlag("--enforce-eager", "KAITEN_ENFORCE_EAGER", "engine",

@@ -1,7 +1,7 @@
 """CppAttention (kernels/cpu_attention.py, the fused C++ kernel) against a dense causal attention
 computed in fp32 per sequence: decodes, prefill chunks over a cached prefix, full prefills, mixed
 batches; GQA groups 1/3/4, block sizes 16 and 1, head_dim 64/16/24 (and 32/96/128 in bf16),
-shuffled block pools, fp32 and bf16. Every cache slot the batch does not own holds NaN, so a read
+shuffled block pools, fp32 and bf16, and fp16 or bf16 caches under fp32 or bf16 queries. Every cache slot the batch does not own holds NaN, so a read
 of one shows in the output."""
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ def backend():
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
 
 
-def make_batch(specs, hq, hkv, d, bs, dtype, seed, extra_blocks=3):
+def make_batch(specs, hq, hkv, d, bs, dtype, seed, extra_blocks=3, cache_dtype=None):
     """specs [(q_len, ctx)] -> (q, k_cache, v_cache, meta, keys, values); the blocks of all
-    sequences sit in random order in a NaN-filled pool, and the tables are padded with -1."""
+    sequences sit in random order in a NaN-filled pool, and the tables are padded with -1. q in
+    dtype, the cache (and keys, values) in cache_dtype (default: dtype)."""
+    cache_dtype = cache_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     nblocks = [math.ceil(ctx / bs) for _, ctx in specs]
     total = sum(nblocks) + extra_blocks
@@ -37,10 +39,10 @@ def make_batch(specs, hq, hkv, d, bs, dtype, seed, extra_blocks=3):
         tables.append(pool[p:p + n])
         p += n
     width = max(nblocks, default=0) + 1
-    k_cache = torch.full((total, bs, hkv, d), float("nan"), dtype=dtype)
+    k_cache = torch.full((total, bs, hkv, d), float("nan"), dtype=cache_dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
-    keys = [torch.randn(ctx, hkv, d, generator=g).to(dtype) for _, ctx in specs]
-    values = [torch.randn(ctx, hkv, d, generator=g).to(dtype) for _, ctx in specs]
+    keys = [torch.randn(ctx, hkv, d, generator=g).to(cache_dtype) for _, ctx in specs]
+    values = [torch.randn(ctx, hkv, d, generator=g).to(cache_dtype) for _, ctx in specs]
     for t, k, v in zip(tables, keys, values):
         pos = torch.arange(k.shape[0])
         slots = torch.tensor(t, dtype=torch.long)[pos // bs] * bs + pos % bs
@@ -90,9 +92,9 @@ BATCHES = {
 HEADS = [(4, 4), (9, 3), (8, 2)]     # GQA groups 1, 3, 4
 
 
-def check(backend, specs, hq, hkv, d, bs, dtype, seed=None):
+def check(backend, specs, hq, hkv, d, bs, dtype, seed=None, cache_dtype=None):
     seed = zlib.crc32(repr((specs, hq, hkv, d, bs, str(dtype))).encode()) if seed is None else seed
-    q, kc, vc, meta, keys, values = make_batch(specs, hq, hkv, d, bs, dtype, seed)
+    q, kc, vc, meta, keys, values = make_batch(specs, hq, hkv, d, bs, dtype, seed, cache_dtype=cache_dtype)
     scale = d ** -0.5
     got = backend.attention(q, kc, vc, meta, scale)
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -120,6 +122,20 @@ def test_bf16_head_dims_in_chunks_of_32(backend, batch, d):
     """On a CPU with AVX512-BF16 a bf16 head_dim that is a multiple of 32 is multiplied in bf16
     pairs, in chunks of 32 dims: one to four chunks, and 96 as an output block of 64 and one of 32."""
     check(backend, BATCHES[batch], 8, 2, d, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_a_16_bit_cache_under_wider_or_bf16_queries(backend, batch, heads, bs, dtype, cache_dtype):
+    """An fp16 or bf16 cache is widened exactly as it is read: against the dense attention of the
+    cache's own values, fp32 queries keep fp32's tolerance (bf16 ones bf16's). The decodes of a
+    single sequence are split over its context."""
+    check(backend, BATCHES[batch], *heads, 64, bs, dtype, cache_dtype=cache_dtype)
+    if batch == "decode":
+        check(backend, [(1, 300)], *heads, 64, bs, dtype, cache_dtype=cache_dtype)
 
 
 def serial_and_threaded(run, threads: int):
@@ -177,18 +193,18 @@ def test_decodes_over_all_kv_heads_match_one_item_per_head(backend, dtype):
     torch.testing.assert_close(together.float(), dense_reference(q, keys, values, specs, 0.125), **TOL[dtype])
 
 
-def test_noncontiguous_query_and_dtype_cast(backend):
-    """q as a strided view (a slice of a fused qkv projection), in fp32 against a bf16 cache."""
+def test_noncontiguous_query(backend):
+    """q as a strided view (a slice of a fused qkv projection), in fp32 against an fp16 cache."""
     specs = [(1, 20), (9, 30)]
-    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.bfloat16, seed=7)
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=7,
+                                               cache_dtype=torch.float16)
     qkv = torch.randn(q.shape[0], 15, 64)
-    qkv[:, :9] = q.float()
+    qkv[:, :9] = q
     view = qkv[:, :9]
     assert not view.is_contiguous()
     got = backend.attention(view, kc, vc, meta, 0.125)
     assert got.dtype == torch.float32
-    want = backend.attention(q, kc, vc, meta, 0.125).float()
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got, backend.attention(q, kc, vc, meta, 0.125), atol=0, rtol=0)
 
 
 def test_empty_sequences_and_empty_batch(backend):
@@ -226,6 +242,18 @@ def test_write_kv(backend, dtype):
     assert flat_k[35].abs().sum() == 0 and int((flat_v != 0).any(-1).any(-1).sum()) == 2
     with pytest.raises(RuntimeError, match="past the cache"):
         backend.write_kv(key, value, kc, vc, torch.tensor([0, 1, 64]))
+
+
+def test_write_kv_rounds_into_a_16_bit_cache(backend):
+    """fp32 rows written to an fp16 cache are its rounded values (the torch backend's too)."""
+    from kernels.torch_attention import TorchAttention
+    key, value = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    for writer in (backend, TorchAttention()):
+        kc = torch.zeros(2, 4, 2, 16, dtype=torch.float16)
+        vc = torch.zeros_like(kc)
+        writer.write_kv(key, value, kc, vc, torch.tensor([5, 1]))
+        assert torch.equal(kc.view(-1, 2, 16)[[5, 1]], key.half())
+        assert torch.equal(vc.view(-1, 2, 16)[[5, 1]], value.half())
 
 
 def test_registry_and_custom_op(backend):

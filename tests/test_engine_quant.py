@@ -75,6 +75,25 @@ def test_auto_serves_every_matrix_quantized(engines, fmt):
     assert not any(isinstance(m, QuantLinear) for m in engines["none"].engine.runner.model.modules())
 
 
+def test_auto_keeps_the_kv_cache_in_fp16_and_none_in_the_models_dtype(engines, quant_gguf, activations):
+    """--kv-cache-dtype auto: fp16 for the quantized model (as llama.cpp keeps the file's KV), the
+    model's dtype for the dequantized one. Against an fp32 cache the fp16 one moves logprobs by
+    far less than the weights' quantization does."""
+    assert {q: llm.engine.runner.kv_caches[0][0].dtype for q, llm in engines.items()} == \
+        {"auto": torch.float16, "none": torch.float32}
+    if activations == "exact":
+        return          # one comparison per format, where both engines take INT8_ROWS as it is
+    fp32_kv = LLM(str(quant_gguf), dtype="float32", kv_cache_dtype="float32", kv_cache_memory=8 * 2**20,
+                  enforce_eager=True)
+    assert fp32_kv.engine.runner.kv_caches[0][0].dtype == torch.float32
+    params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0, logprobs=0)
+    got = [llm.generate(PROMPTS, params) for llm in (engines["auto"], fp32_kv)]
+    diffs = [abs(x.logprob - y.logprob) for a, b in zip(*got) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+    assert max(diffs) < 0.01, diffs
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(str(quant_gguf), dtype="float32", kv_cache_dtype="int4", kv_cache_memory=8 * 2**20, enforce_eager=True)
+
+
 def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines, fmt, activations):
     tol = TOLERANCES[fmt, activations] | PROMPT_TOLERANCE[fmt]
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0)

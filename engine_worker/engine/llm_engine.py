@@ -96,8 +96,9 @@ class LLMEngine:
         self.structured = StructuredOutput(config.model, self.vocab_size, self.eos_token_ids)
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
-        log.info("engine ready: model=%s dtype=%s blocks=%d x %d tokens, backend=%s", self.model_name,
-                 self.runner.dtype, self.runner.num_blocks, self.runner.block_size, self.runner.backend.name)
+        log.info("engine ready: model=%s dtype=%s kv cache %s, blocks=%d x %d tokens, backend=%s", self.model_name,
+                 self.runner.dtype, self.runner.kv_dtype, self.runner.num_blocks, self.runner.block_size,
+                 self.runner.backend.name)
 
     def _lora_registry(self, config: EngineConfig) -> LoraRegistry | None:
         modules = config.lora_module_paths()

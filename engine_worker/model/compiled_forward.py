@@ -206,10 +206,11 @@ class CompiledForward:
     warm_up(lora=True) compiles (the engine does when it gets its first adapter), so steps of
     the base model alone never run it."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches, backend: AttentionBackend, max_loras: int = 0):
+    def __init__(self, model: torch.nn.Module, kv_caches, backend: AttentionBackend, dtype: torch.dtype,
+                 max_loras: int = 0):
         configure_inductor()
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
-        self.max_loras = max_loras
+        self.dtype, self.max_loras = dtype, max_loras           # the activations' dtype (the cache's may differ)
         self.ops = backend if backend.compile_safe else OpAttention(backend.name)
         for k_cache, v_cache in kv_caches:          # the pool's size differs between engines
             torch._dynamo.decorators.mark_unbacked(k_cache, 0)
@@ -256,7 +257,7 @@ class CompiledForward:
             max_seqlen_q=3, max_seqlen_k=3, seqlens_q_list=lens, seqlens_k_list=lens)
         ids = torch.zeros(4, dtype=torch.int64, device=dev)
         pos = torch.tensor([0, 1, 2, 0], dtype=torch.int64, device=dev)
-        batch = LoraBatch.for_step(np.array([0, -1, 0, -1]), self.max_loras, self.kv_caches[0][0].dtype, dev) \
+        batch = LoraBatch.for_step(np.array([0, -1, 0, -1]), self.max_loras, self.dtype, dev) \
             if lora else None
         self(ids, pos, meta, batch)
         seconds = time.perf_counter() - start

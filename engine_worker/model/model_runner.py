@@ -85,6 +85,7 @@ class ModelRunner:
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"{self.model_config.max_position_embeddings} positions")
+        self.kv_dtype = self._kv_cache_dtype(bool(packed))
         self.num_blocks = self._num_blocks(self._kv_budget())
         self.kv_caches = self._allocate_kv_cache()
         self.graphs: DecodeGraphRunner | None = None
@@ -125,6 +126,23 @@ class ModelRunner:
         return (self.device.type == "cpu" and self.dtype == torch.float32 and stored_in_bf16(model_dir)
                 and cpp_attention_available())
 
+    def _kv_cache_dtype(self, quantized: bool) -> torch.dtype:
+        """--kv-cache-dtype: 'auto' is fp16 where the engine serves a GGUF's quantized weights as
+        stored and the attention backend reads a cache of another dtype than the model's (as
+        llama.cpp keeps the same file's KV in f16: half an fp32 cache's bytes, and decode attention
+        is bound by reading them), else the model's dtype (exact: greedy output as Hugging Face's)."""
+        name = self.config.kv_cache_dtype
+        any_dtype = self.backend.any_kv_dtype
+        if name == "auto":
+            return torch.float16 if quantized and any_dtype else self.dtype
+        if name not in DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {name!r}; choose auto or one of {sorted(DTYPES)}")
+        dtype = DTYPES[name]
+        if dtype != self.dtype and not any_dtype:
+            raise ValueError(f"attention backend {self.backend.name} needs the KV cache in the model's dtype "
+                             f"({self.dtype}), not {dtype}")
+        return dtype
+
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory != "auto":
             return parse_memory(self.config.kv_cache_memory)
@@ -148,8 +166,8 @@ class ModelRunner:
         lens = [min(self.max_model_len, tokens - start) for start in range(0, tokens, self.max_model_len)]
         blocks = [-(-n // bs) for n in lens]
         shape = (sum(blocks), bs, cfg.num_kv_heads, cfg.head_dim)
-        scratch = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        scratch = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
         scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
         tables, slots, first = [], [], 0
         for n, nb in zip(lens, blocks):                 # each sequence on consecutive scratch blocks
@@ -176,7 +194,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         cfg = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.kv_dtype.itemsize
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def _num_blocks(self, budget_bytes: int) -> int:
@@ -191,8 +209,8 @@ class ModelRunner:
 
         def zeros() -> torch.Tensor:
             if self.device.type == "cpu":
-                return zeros_on_huge_pages(shape, self.dtype)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+                return zeros_on_huge_pages(shape, self.kv_dtype)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
     def enable_lora(self) -> None:
@@ -209,7 +227,7 @@ class ModelRunner:
         """The compiled CPU forward, or None (eager, with a warning) where Inductor cannot build
         it: its C++ code generation needs a C++ compiler, which a slim image may lack."""
         try:
-            compiled = CompiledForward(self.model, self.kv_caches, self.backend, self.max_loras)
+            compiled = CompiledForward(self.model, self.kv_caches, self.backend, self.dtype, self.max_loras)
             compiled.warm_up()
             return compiled
         except Exception as e:      # InductorError (no compiler), a failed build, ...

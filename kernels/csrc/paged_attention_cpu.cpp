@@ -504,11 +504,12 @@ constexpr bool kBf16Dot = false;
 #endif
 
 // ------------------------------------------------------------------------------ one work item
-template <typename T>
+// q and out in T (float or bf16), the caches in C (float, bf16 or fp16).
+template <typename T, typename C>
 struct Inputs {
   const T* q;
-  const T* k_cache;
-  const T* v_cache;
+  const C* k_cache;
+  const C* v_cache;
   T* out;
   const int32_t* cu_seqlens_q;
   const int32_t* seqlens_k;
@@ -568,8 +569,8 @@ inline void row_of(const WorkItem& it, const Geometry& g, int64_t r, int64_t* to
 }
 
 // Query rows, pre-scaled, into w.q; resets state.
-template <typename T>
-inline void init_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
+template <typename T, typename C>
+inline void init_rows(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
   const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
   const int64_t rows = item_rows(it, g);
   for (int64_t r = 0; r < rows; ++r) {
@@ -586,10 +587,10 @@ inline void init_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g
   std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
 }
 
-// Whether the item's products are bf16 dot products (AVX512-BF16, a bf16 cache, head_dim % 32).
-template <typename T>
+// Whether the item's products are bf16 dot products (AVX512-BF16, bf16 queries and cache, head_dim % 32).
+template <typename T, typename C>
 constexpr bool bf16_dot(const Geometry& g) {
-  return kBf16Dot && std::is_same_v<T, c10::BFloat16> && g.d % 32 == 0;
+  return kBf16Dot && std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && g.d % 32 == 0;
 }
 
 // Output row o times inv into dst. Rows of the bf16 dot products hold their dims in pair order.
@@ -611,8 +612,8 @@ inline float row_sum(const float* l) {
 }
 
 // The item's rows into the output, or, for a part of a split decode, unnormalised into in.part_o/m/l.
-template <typename T>
-inline void store_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w, bool dot) {
+template <typename T, typename C>
+inline void store_rows(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scratch& w, bool dot) {
   const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
   const int64_t rows = item_rows(it, g);
   for (int64_t r = 0; r < rows; ++r) {
@@ -631,8 +632,8 @@ inline void store_rows(const Inputs<T>& in, const WorkItem& it, const Geometry& 
 }
 
 // Each split decode's rows: the parts' outputs rescaled to their common max, summed, normalised.
-template <typename T>
-void combine_parts(const Inputs<T>& in, const std::vector<SplitGroup>& groups, const Geometry& g) {
+template <typename T, typename C>
+void combine_parts(const Inputs<T, C>& in, const std::vector<SplitGroup>& groups, const Geometry& g) {
   std::vector<float> o(g.dp);
   for (const auto& grp : groups) {
     const int32_t q_len = in.cu_seqlens_q[grp.seq + 1] - in.cu_seqlens_q[grp.seq];
@@ -651,13 +652,13 @@ void combine_parts(const Inputs<T>& in, const std::vector<SplitGroup>& groups, c
       }
       int64_t tok, head;
       row_of(it, g, r, &tok, &head);
-      store_row(o.data(), 1.f / sum, in.out + ((tok + q0) * g.hq + head) * g.d, g, bf16_dot<T>(g));
+      store_row(o.data(), 1.f / sum, in.out + ((tok + q0) * g.hq + head) * g.d, g, bf16_dot<T, C>(g));
     }
   }
 }
 
-template <typename T>
-void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
+template <typename T, typename C>
+void run_item(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
   const int64_t ctx = in.seqlens_k[it.seq];
   const int64_t q_len = in.cu_seqlens_q[it.seq + 1] - in.cu_seqlens_q[it.seq];
   const int64_t first_pos = ctx - q_len + it.q_begin;   // position of the item's first token
@@ -666,12 +667,13 @@ void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratc
   const int64_t head_rows = rows / it.num_kv;   // rows per kv head
   const int32_t* table = in.block_tables + it.seq * g.max_blocks;
   const bool direct = head_rows <= RB && g.d == g.dp;
-  const bool dot = bf16_dot<T>(g);               // bf16 S = Q K^T
+  const bool dot = bf16_dot<T, C>(g);               // bf16 S = Q K^T
+  constexpr bool bf16_pair = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
   const int64_t key_begin = it.key_begin, key_end = it.key_end < 0 ? last_pos + 1 : it.key_end;
   const int64_t span = it.num_kv * g.d;         // elements of a key row the item reads
   const float* vrows[KT];
-  const T* krows_c[KT];                        // the tile's rows in the cache (direct path)
-  const T* vrows_c[KT];
+  const C* krows_c[KT];                        // the tile's rows in the cache (direct path)
+  const C* vrows_c[KT];
 
   int64_t offs[KT], next_offs[KT];
   const int first_nk = static_cast<int>(std::min<int64_t>(KT, key_end - key_begin));
@@ -697,16 +699,26 @@ void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratc
         for (int j = 0; j < nk; ++j) krows_c[j] = in.k_cache + offs[j] + h * g.d;
         float* s = w.s.data() + h * head_rows * KT;
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>)
+        if constexpr (bf16_pair)
           if (dot && qk_direct_bf16(w.qb.data() + h * head_rows * g.dp, head_rows, g.dp, krows_c, nk, in.scale, s))
             continue;
 #endif
-        qk_direct(w.q.data() + h * head_rows * g.dp, head_rows, g.dp, krows_c, nk, s);
+        const float* qh = w.q.data() + h * head_rows * g.dp;
+        if constexpr (std::is_same_v<C, float>) {
+          qk_direct(qh, head_rows, g.dp, krows_c, nk, s);
+        } else {           // 16-bit rows widened once, not once per query row
+          const float* kf[KT];
+          for (int j = 0; j < nk; ++j) {
+            kf[j] = w.kf.data() + j * g.dp;
+            row_to_f32(krows_c[j], w.kf.data() + j * g.dp, g.d);
+          }
+          qk_direct(qh, head_rows, g.dp, kf, nk, s);
+        }
       }
     } else {
       if (!dot) load_v_tile(in.v_cache, offs, nk, g, w, vrows);
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (bf16_pair) {
         if (dot) {
           load_k_pairs(in.k_cache, offs, nk, g, w);
           qk_rows_bf16(w.qb.data(), rows, g.dp, w.kt2.data(), g.d / 2, in.scale, w.s.data());
@@ -726,7 +738,7 @@ void run_item(const Inputs<T>& in, const WorkItem& it, const Geometry& g, Scratc
       if (direct) prefetch_rows(in.v_cache + h * g.d, next_offs, next_nk, g.d);
       for (int j = 0; j < nk; ++j) vrows_c[j] = in.v_cache + offs[j] + h * g.d;
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>)
+      if constexpr (bf16_pair)
         if (dot) {
           pv_rows_bf16(w, r0, r1, g.dp, vrows_c, nk);
           continue;
@@ -836,8 +848,8 @@ Plan plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
 // costs more (measured the same from 64 keys of one decode up).
 constexpr int64_t kMinParallelCost = 1024;
 
-template <typename T>
-void run_items(const Inputs<T>& in, const std::vector<WorkItem>& items, const Geometry& g) {
+template <typename T, typename C>
+void run_items(const Inputs<T, C>& in, const std::vector<WorkItem>& items, const Geometry& g) {
   const int64_t rows = std::max(std::max<int64_t>(1, kMaxTileRows / g.group) * g.group, g.hkv * RB);
   int64_t total = 0;
   for (const auto& it : items) total += it.cost;
@@ -858,9 +870,10 @@ void run_items(const Inputs<T>& in, const std::vector<WorkItem>& items, const Ge
 // Query tokens of a bf16 chunk from which flash_attention takes it, where the CPU has AMX; else none.
 constexpr int64_t kFlashMinTokens = 64;
 
-int64_t flash_min_tokens(const torch::Tensor& q) {
+int64_t flash_min_tokens(const torch::Tensor& q, const torch::Tensor& k_cache) {
   static const bool amx = at::cpu::init_amx();
-  return q.scalar_type() == torch::kBFloat16 && amx ? kFlashMinTokens : std::numeric_limits<int64_t>::max();
+  const bool bf16 = q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16;
+  return bf16 && amx ? kFlashMinTokens : std::numeric_limits<int64_t>::max();
 }
 
 // A sequence's q_len query tokens (from q_begin) against its ctx keys, gathered from the cache
@@ -884,9 +897,9 @@ void flash_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const
 
 }  // namespace
 
-// q [T, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] (same dtype: float32 or
-// bfloat16), cu_seqlens_q int32 [B+1], seqlens_k int32 [B], block_tables int32 [B, max_blocks]
-// -> out [T, Hq, D] in q's dtype.
+// q [T, Hq, D] (float32 or bfloat16), k_cache/v_cache [num_blocks, block_size, Hkv, D] (one dtype:
+// float32, bfloat16 or float16, widened to fp32 as read), cu_seqlens_q int32 [B+1], seqlens_k int32
+// [B], block_tables int32 [B, max_blocks] -> out [T, Hq, D] in q's dtype.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor cu_seqlens_q, torch::Tensor seqlens_k,
                               torch::Tensor block_tables, double scale) {
@@ -894,8 +907,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "CPU tensors expected");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   for (const auto* t : {&cu_seqlens_q, &seqlens_k, &block_tables})
     TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->device().is_cpu(), "metadata must be int32 CPU tensors");
@@ -914,7 +926,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
   Geometry g{hq, hkv, hq / hkv, d, (d + 15) / 16 * 16, k_cache.size(1), k_cache.size(0), bt.size(1),
              q.stride(0), q.stride(1), hkv * d};
-  const int64_t flash_from = flash_min_tokens(q);
+  const int64_t flash_from = flash_min_tokens(q, k_cache);
   const Plan plan = plan_items(cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
                                lens.size(0), q.size(0), g, at::get_num_threads(), flash_from);
   std::vector<float> part_o(plan.num_parts * RB * g.dp), part_m(plan.num_parts * RB), part_l(plan.num_parts * RB);
@@ -924,20 +936,30 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     if (ctx[i] == 0 && c[i + 1] > c[i]) out.narrow(0, c[i], c[i + 1] - c[i]).zero_();
     else if (c[i + 1] - c[i] >= flash_from) flash_attention(q, k_cache, v_cache, bt[i], c[i], c[i + 1] - c[i], ctx[i], scale, out);
   }
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    Inputs<T> in{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
-                 cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
-                 static_cast<float>(scale), part_o.data(), part_m.data(), part_l.data()};
+  auto run = [&](auto q_tag, auto cache_tag) {
+    using T = decltype(q_tag);
+    using C = decltype(cache_tag);
+    Inputs<T, C> in{q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), out.data_ptr<T>(),
+                    cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
+                    static_cast<float>(scale), part_o.data(), part_m.data(), part_l.data()};
     run_items(in, plan.items, g);
     combine_parts(in, plan.groups, g);
   };
+  auto with_cache = [&](auto q_tag) {
+    switch (k_cache.scalar_type()) {
+      case torch::kFloat: return run(q_tag, float{});
+      case torch::kBFloat16: return run(q_tag, c10::BFloat16{});
+      case torch::kHalf: return run(q_tag, c10::Half{});
+      default: TORCH_CHECK(false, "paged_attention: the cache must be float32, bfloat16 or float16, not ",
+                           k_cache.scalar_type());
+    }
+  };
   if (q.scalar_type() == torch::kFloat) {
-    run(float{});
+    with_cache(float{});
   } else if (q.scalar_type() == torch::kBFloat16) {
-    run(c10::BFloat16{});
+    with_cache(c10::BFloat16{});
   } else {
-    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, not ", q.scalar_type());
+    TORCH_CHECK(false, "paged_attention: q must be float32 or bfloat16, not ", q.scalar_type());
   }
   return out;
 }
