@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_throughput import step_until_decoding  # noqa: E402
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
+from engine_worker.model.quant_tiles import TILE_ROWS  # noqa: E402
 from kernels.cpu_attention import cpu_capability  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -58,7 +59,7 @@ def main() -> int:
     parts: dict[str, float] = defaultdict(float)
     for e in prof.key_averages(group_by_input_shape=True):
         if e.key == "kaiten_cpu::quant_linear":
-            n, k = e.input_shapes[1][0], e.input_shapes[0][-1]
+            n, k = e.input_shapes[1][0] * TILE_ROWS, e.input_shapes[0][-1]     # tiles [n / TILE_ROWS, bytes]
             parts[f"quant_linear {NAMES.get(n, n)} ({n}x{k})"] += e.self_cpu_time_total / 1e3 / args.steps
         elif e.key.startswith("kaiten_cpu::") and "linear" not in e.key:
             parts[e.key] += e.self_cpu_time_total / 1e3 / args.steps

@@ -170,6 +170,9 @@ def _register_fakes() -> None:
         lambda q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale: torch.empty_like(q))
     torch.library.register_fake("kaiten_cpu::write_kv")(
         lambda key, value, k_cache, v_cache, slot_mapping: None)
+    torch.library.register_fake("kaiten_cpu::write_kv_attention")(
+        lambda q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seqlens_k, block_tables, scale:
+        torch.empty_like(q))
     torch.library.register_fake("kaiten_cpu::packed_linear")(
         lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
     torch.library.register_fake("kaiten_cpu::quant_linear")(
@@ -229,6 +232,16 @@ class CppAttention:
             q = q.to(torch.float32)
         out = torch.ops.kaiten_cpu.paged_attention(q, k_cache, v_cache, _int32(meta.cu_seqlens_q),
                                                    _int32(meta.seqlens_k), _int32(meta.block_tables), float(scale))
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """One op, kaiten_cpu::write_kv_attention."""
+        out_dtype = q.dtype
+        if q.dtype not in (torch.float32, torch.bfloat16):
+            q = q.to(torch.float32)
+        out = torch.ops.kaiten_cpu.write_kv_attention(
+            q, key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping.to(torch.int64),
+            _int32(meta.cu_seqlens_q), _int32(meta.seqlens_k), _int32(meta.block_tables), float(scale))
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

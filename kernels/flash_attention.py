@@ -16,14 +16,14 @@ import logging
 
 import torch
 
-from kernels.interface import AttentionMetadata
+from kernels.interface import AttentionMetadata, TwoCalls
 
 log = logging.getLogger(__name__)
 
 _FA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class FlashAttention:
+class FlashAttention(TwoCalls):
     name = "flash_attn"
     cuda_graph_safe = True
     compile_safe = False

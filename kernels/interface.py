@@ -57,6 +57,19 @@ class AttentionBackend(Protocol):
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
         GQA: query head h reads kv head h // (num_heads // num_kv_heads)."""
 
+    def write_kv_and_attention(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                               scale: float) -> torch.Tensor:
+        """write_kv(key, value, ..., meta.slot_mapping), then attention(q, ...): a layer's step."""
+
+
+class TwoCalls:
+    """write_kv_and_attention as the two calls, for backends that do not fuse them."""
+
+    def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        return self.attention(q, k_cache, v_cache, meta, scale)
+
 
 def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
     """'auto' picks flash-attn, then Triton, on CUDA; on the CPU the fused C++ kernel ('cpu') when

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.interface import AttentionMetadata
+from kernels.interface import AttentionMetadata, TwoCalls
 
 __all__ = ["TorchAttention"]
 
@@ -73,7 +73,7 @@ class _Plan:
         self.max_gather_blocks = max_gather_blocks
 
 
-class TorchAttention:
+class TorchAttention(TwoCalls):
     """CPU paged attention with torch ops. One instance serves all layers of one engine; it keeps
     a K/V gather workspace and the current step's plan, so it is not meant to be called from
     several threads at once."""

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.interface import AttentionMetadata
+from kernels.interface import AttentionMetadata, TwoCalls
 
 LOG2E = 1.4426950408889634
 
@@ -355,7 +355,7 @@ def _decode_config(elem_size: int, block_d: int) -> tuple[int, int, int]:
     return (32, 8, 2) if block_d <= 128 else (16, 4, 2)
 
 
-class TritonAttention:
+class TritonAttention(TwoCalls):
     """Paged attention backend on Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1).
 
     Decode-only batches (max_seqlen_q == 1) go to the split-KV decode kernel, everything else

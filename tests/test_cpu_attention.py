@@ -256,6 +256,24 @@ def test_write_kv_rounds_into_a_16_bit_cache(backend):
         assert torch.equal(vc.view(-1, 2, 16)[[5, 1]], value.half())
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_write_kv_and_attention_is_the_two_calls(backend, cache_dtype):
+    """The fused op (one call a layer) leaves the cache and returns the output the two ops do, for
+    a mixed batch whose new tokens are written before they are attended to."""
+    from kernels.interface import TwoCalls
+    specs = [(1, 40), (7, 30), (1, 17)]
+    q, kc, vc, meta, _, _ = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=11, cache_dtype=cache_dtype)
+    table, bs = meta.block_tables, 16
+    slots = [int(table[i, p // bs]) * bs + p % bs for i, (ql, ctx) in enumerate(specs) for p in range(ctx - ql, ctx)]
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    key, value = torch.randn(len(slots), 3, 64), torch.randn(len(slots), 3, 64)
+    fused_k, fused_v = kc.clone(), vc.clone()
+    got = backend.write_kv_and_attention(q, key, value, fused_k, fused_v, meta, 0.125)
+    want = TwoCalls.write_kv_and_attention(backend, q, key, value, kc, vc, meta, 0.125)
+    assert torch.equal(fused_k.nan_to_num(), kc.nan_to_num()) and torch.equal(fused_v.nan_to_num(), vc.nan_to_num())
+    assert torch.equal(got, want)
+
+
 def test_registry_and_custom_op(backend):
     from engine_worker.model.compiled_forward import paged_attention
     from kernels.interface import get_attention_backend

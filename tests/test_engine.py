@@ -163,7 +163,8 @@ def test_a_failed_compile_falls_back_to_the_eager_model(tiny_model_dir, prompts,
 
 def test_compiled_cpu_graph_calls_the_extension_ops(tiny_model_dir, prompts, expected):
     """With the C++ CPU kernel loaded, the compiled graph calls its dispatcher ops (kaiten_cpu::
-    paged_attention, write_kv, packed_linear) and none of the Python-defined ones."""
+    write_kv_attention, a layer's KV write and attention in one call, and packed_linear) and none
+    of the Python-defined ones."""
     from kernels.cpu_attention import cpp_attention_available
     if not cpp_attention_available():
         pytest.skip("the C++ kernel is unavailable")
@@ -172,7 +173,7 @@ def test_compiled_cpu_graph_calls_the_extension_ops(tiny_model_dir, prompts, exp
         got = [c.token_ids for c in llm.generate(prompts[:2], greedy())]
     assert got == expected[:2]
     ops = {e.key for e in prof.key_averages() if e.key.startswith("kaiten")}
-    assert {"kaiten_cpu::paged_attention", "kaiten_cpu::write_kv", "kaiten_cpu::packed_linear"} <= ops
+    assert {"kaiten_cpu::write_kv_attention", "kaiten_cpu::packed_linear"} <= ops
     assert not {op for op in ops if op.startswith("kaiten::")}
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from engine_worker.model.lora_layers import LoraBatch
-from kernels.interface import AttentionBackend, AttentionMetadata, get_attention_backend
+from kernels.interface import AttentionBackend, AttentionMetadata, TwoCalls, get_attention_backend
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _paged_attention_fake(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_ta
     return torch.empty_like(q)
 
 
-class OpAttention:
+class OpAttention(TwoCalls):
     """An AttentionBackend for the model inside torch.compile: it forwards to the custom ops,
     which call the backend named `name` (for backends that are not compile_safe)."""
 

@@ -137,8 +137,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         k_cache, v_cache = kv_cache
-        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = backend.attention(q, k_cache, v_cache, meta, self.scale)
+        out = backend.write_kv_and_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return _project(self.o_proj, out.reshape(-1, self.q_size), self, "o", lora)
 
 

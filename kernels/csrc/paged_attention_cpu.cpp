@@ -998,17 +998,29 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   copy(value, v_cache);
 }
 
-// Both functions as dispatcher ops (kaiten_cpu::...), which a compiled graph calls without the
-// layers of a Python-defined op (about 15 us a call, 60 calls a step).
+// write_kv, then paged_attention: a layer's attention in one call (a compiled step calls an op per
+// layer instead of two, and Inductor can fuse the RoPE of q and k into one kernel before it).
+torch::Tensor write_kv_attention(torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+                                 torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor cu_seqlens_q,
+                                 torch::Tensor seqlens_k, torch::Tensor block_tables, double scale) {
+  write_kv(key, value, k_cache, v_cache, slot_mapping);
+  return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale);
+}
+
+// The functions as dispatcher ops (kaiten_cpu::...), which a compiled graph calls without the
+// layers of a Python-defined op (about 15 us a call).
 TORCH_LIBRARY_FRAGMENT(kaiten_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seqlens_k, "
         "Tensor block_tables, float scale) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("write_kv_attention(Tensor q, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seqlens_k, Tensor block_tables, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kaiten_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("write_kv_attention", &write_kv_attention);
 }
 
 // The Python module cpp_extension imports: loading it registers the ops above.
