@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_throughput import step_until_decoding  # noqa: E402
-from bench.machine import cpu_name, load_avg  # noqa: E402
+from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
 from kernels.cpu_attention import cpu_capability  # noqa: E402
 
@@ -96,7 +96,7 @@ def main() -> int:
     ppl = {name: perplexity(llm) for name, llm in engines.items()}
     base = "dequantized (none), fp32" if not args.quantized_only else "quantized (auto), fp32 KV cache"
     lines = ["# Decode: quantized vs dequantized weights (SmolLM2-135M-Instruct, Q4_1 GGUF)\n",
-             f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, extension ISA {cpu_capability()[0]}, "
+             f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), {torch.get_num_threads()} threads, extension ISA {cpu_capability()[0]}, "
              f"torch {torch.__version__}; load {load0} before, {{load1}} after. Context {args.context}, "
              f"median of {args.rounds} alternating rounds x {args.steps} steps.\n",
              "| engine | dtype | KV cache | weights MB | perplexity | " + " | ".join(

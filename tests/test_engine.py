@@ -325,3 +325,15 @@ def test_other_llama_family_configs_match_hf(tmp_path, arch):
     want = hf_greedy(hf, prompts, 12)
     got = make_llm(model_dir).generate(prompts, greedy(12))
     assert [c.token_ids for c in got] == want
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine():
+    """`kaiten serve --kv-cache-dtype` is handed to the engine (not the gateway), whose config takes it."""
+    from engine_worker.worker import build_parser, configs_from_args
+    from shared.launcher import build_parser as serve_parser
+    from shared.up_flags import child_args
+    args = serve_parser().parse_args(["--kv-cache-dtype", "float16"])
+    assert child_args(args, "engine")[-2:] == ["--kv-cache-dtype", "float16"]
+    assert "--kv-cache-dtype" not in child_args(args, "gateway")
+    ecfg, _ = configs_from_args(build_parser().parse_args(["--kv-cache-dtype", "float16"]), resolve_model=False)
+    assert ecfg.kv_cache_dtype == "float16"
