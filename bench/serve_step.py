@@ -1,0 +1,111 @@
+"""Where one stream's served TPOT goes: the engine's own step, measured while it serves and alone.
+
+For each GGUF file: `kaiten serve` on it, the stock `vllm bench serve` client at concurrency 1
+(--prompts random 256-token prompts, 128 output tokens, ignore_eos, greedy) for --rounds runs,
+the engine's step and Redis-round histograms (kaiten:engine_step_duration_seconds,
+kaiten:engine_redis_round_seconds, from its /metrics) read before and after each run; then, with
+the server stopped, the same engine's decode step in one process (bench/quant_decode.py's
+decode_ms: context 256, 7 rounds x 8 steps). The served step's mean includes the 8 prefill steps.
+
+    .venv/bin/python bench/serve_step.py [--files q4_1,q8_0] [--rounds 2] [--prompts 8]
+
+Writes bench/results/serve_step.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import types
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
+from bench.peer_llamacpp import LLAMA_PEER, gguf_path  # noqa: E402
+from bench.peer_offline import DEFAULT_PEER  # noqa: E402
+from bench.peer_serve import RESULTS, bench_client, start_server, stop_server  # noqa: E402
+from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
+from shared.launcher import free_port  # noqa: E402
+
+HISTOGRAMS = ("kaiten:engine_step_duration_seconds", "kaiten:engine_redis_round_seconds")
+
+
+def scrape(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each histogram."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    out = {}
+    for name in HISTOGRAMS:
+        total = re.search(re.escape(name) + r"_sum\{[^}]*\} (\S+)", text)
+        count = re.search(re.escape(name) + r"_count\{[^}]*\} (\S+)", text)
+        out[name] = (float(total.group(1)), float(count.group(1)))
+    return out
+
+
+def served(gguf: str, tokenizer: str, args) -> list[dict]:
+    port, metrics_port = free_port(), free_port()
+    os.environ["KAITEN_METRICS_PORT"] = str(metrics_port)          # the engine's /metrics, inherited
+    srv = start_server("serve_step", [sys.executable, "-m", "shared.cli", "serve", "--port", str(port), "--model", gguf,
+                                      "--quantization", "auto", "--log-level", "WARNING"], "/ready", port, tokenizer, args)
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    runs = []
+    try:
+        for rnd in range(args.rounds):
+            before = scrape(metrics_url)
+            res = bench_client(str(args.peer), srv.url, Path(tokenizer).name, tokenizer, 1, args.prompts, args,
+                               seed=100 + rnd)
+            after = scrape(metrics_url)
+            mean = {k: (after[k][0] - before[k][0]) / max(1.0, after[k][1] - before[k][1]) * 1e3 for k in HISTOGRAMS}
+            runs.append({"tpot_p50_ms": res.get("median_tpot_ms"), "error": res.get("error"),
+                         "step_mean_ms": mean[HISTOGRAMS[0]], "round_mean_ms": mean[HISTOGRAMS[1]]})
+            print(gguf, runs[-1], flush=True)
+    finally:
+        stop_server(srv)
+    return runs
+
+
+def alone(model_dir: str) -> float:
+    from bench.quant_decode import decode_ms
+    from engine_worker import LLM
+    llm = LLM(model_dir, max_num_seqs=64, kv_cache_memory="512MiB")
+    return decode_ms({"alone": llm}, 1, 256, 7, 8)["alone"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", default="q4_1,q8_0")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--peer", default=str(DEFAULT_PEER), help="the client's script")
+    ap.add_argument("--out", default=str(RESULTS / "serve_step"))
+    args = ap.parse_args()
+    args.input_len, args.output_len, args.timeout, args.ready_timeout = 256, 128, 1800, 900
+    report = {"cpu": cpu_name(), "flags": " ".join(cpu_flags()), "load_avg_before": load_avg(), "files": {}}
+    for kind in args.files.split(","):
+        gguf = gguf_path(LLAMA_PEER, kind)
+        model_dir = str(ensure_converted_gguf(gguf))
+        report["files"][kind] = {"served": served(gguf, model_dir, args), "alone_step_ms": alone(model_dir)}
+    report["load_avg_after"] = load_avg()
+    lines = ["# One stream served: the client's TPOT against the engine's own step\n",
+             f"CPU: {report['cpu']} (flags: {report['flags']}). Load {report['load_avg_before']} before, "
+             f"{report['load_avg_after']} after. `kaiten serve --quantization auto`, the stock client at concurrency 1, "
+             f"{args.prompts} prompts of 256 tokens, 128 out, {args.rounds} runs; the served step's mean includes the "
+             "prefill steps. Alone: the same model in one process, decode steps at context 256, median.\n",
+             "| file | client TPOT p50 ms (runs) | served step mean ms | Redis round mean ms | step alone ms |",
+             "|---|---|---|---|---:|"]
+    for kind, r in report["files"].items():
+        fmt = lambda key: ", ".join(f"{run[key]:.2f}" for run in r["served"] if run[key] is not None)  # noqa: E731
+        lines.append(f"| {kind} | {fmt('tpot_p50_ms')} | {fmt('step_mean_ms')} | {fmt('round_mean_ms')} "
+                     f"| {r['alone_step_ms']:.2f} |")
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
