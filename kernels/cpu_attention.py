@@ -222,27 +222,32 @@ class CppAttention:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        torch.ops.kaiten_cpu.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
-                                      slot_mapping.to(torch.int64))
+        torch.ops.kaiten_cpu.write_kv(*_kv_args(key, value, k_cache, v_cache, slot_mapping))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out_dtype = q.dtype
-        if q.dtype not in (torch.float32, torch.bfloat16):
-            q = q.to(torch.float32)
-        out = torch.ops.kaiten_cpu.paged_attention(q, k_cache, v_cache, _int32(meta.cu_seqlens_q),
-                                                   _int32(meta.seqlens_k), _int32(meta.block_tables), float(scale))
-        return out if out.dtype == out_dtype else out.to(out_dtype)
+        out = torch.ops.kaiten_cpu.paged_attention(_kernel_q(q), k_cache, v_cache, *_metadata(meta), float(scale))
+        return out.to(q.dtype)
 
     def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """One op, kaiten_cpu::write_kv_attention."""
-        out_dtype = q.dtype
-        if q.dtype not in (torch.float32, torch.bfloat16):
-            q = q.to(torch.float32)
-        out = torch.ops.kaiten_cpu.write_kv_attention(
-            q, key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping.to(torch.int64),
-            _int32(meta.cu_seqlens_q), _int32(meta.seqlens_k), _int32(meta.block_tables), float(scale))
-        return out if out.dtype == out_dtype else out.to(out_dtype)
+        kv = _kv_args(key, value, k_cache, v_cache, meta.slot_mapping)
+        out = torch.ops.kaiten_cpu.write_kv_attention(_kernel_q(q), *kv, *_metadata(meta), float(scale))
+        return out.to(q.dtype)
+
+
+def _kernel_q(q: torch.Tensor) -> torch.Tensor:
+    """q in a dtype the kernel takes (fp32 or bf16; anything else widened to fp32)."""
+    return q if q.dtype in (torch.float32, torch.bfloat16) else q.to(torch.float32)
+
+
+def _kv_args(key, value, k_cache, v_cache, slot_mapping) -> tuple:
+    """write_kv's arguments: the rows in the cache's dtype, the slots as int64."""
+    return key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, slot_mapping.to(torch.int64)
+
+
+def _metadata(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _int32(meta.cu_seqlens_q), _int32(meta.seqlens_k), _int32(meta.block_tables)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
