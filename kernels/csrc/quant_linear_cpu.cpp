@@ -330,9 +330,9 @@ inline void add_mins(const float* mins, const float* xsums, int64_t count, float
 // Threads split the tiles; a thread meets each of its tiles with all m rows of x, kRowBlock rows at
 // a time: block(s, tile, wt, r0, rows, y) fills y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows
 // from the tile (its scales widened to fp32 in s where kWiden); wt: the thread's scratch of
-// `scratch` Ts, or nullptr.
-template <typename T, bool kWiden = true, typename Block>
-void over_tiles(const Tiles& w, int64_t m, int64_t scratch, float* out, const Block& block) {
+// `scratch` Ts, or nullptr. out is in x's dtype O, so no call converts a whole output.
+template <typename T, bool kWiden = true, typename O, typename Block>
+void over_tiles(const Tiles& w, int64_t m, int64_t scratch, O* out, const Block& block) {
   const int64_t grain = std::max<int64_t>(2, 4096 / w.k);
   at::parallel_for(0, w.tiles, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> sbuf(kWiden ? 2 * w.scale_count() : 0);
@@ -345,7 +345,8 @@ void over_tiles(const Tiles& w, int64_t m, int64_t scratch, float* out, const Bl
         const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
         block(s, tile, wt.empty() ? nullptr : wt.data(), r0, rows, y);
         for (int64_t r = 0; r < rows; ++r)
-          for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i) out[(r0 + r) * w.n + t * kTileRows + i] = y[r][i];
+          for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i)
+            out[(r0 + r) * w.n + t * kTileRows + i] = static_cast<O>(y[r][i]);   // nearest even, as Tensor::to
       }
     }
   });
@@ -361,8 +362,8 @@ std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t grou
 }
 
 // fp32 x in registers, each block of rows by its method (kDequantFirst).
-template <typename I>
-void registers(const Tiles& w, const float* x, int64_t m, float* out) {
+template <typename I, typename O>
+void registers(const Tiles& w, const float* x, int64_t m, O* out) {
   // x's sum over each group, kTileRows times over (the layout of a tile's mins), for add_mins,
   // where a block (the first or the last) scales its dots
   const int64_t first = std::min<int64_t>(m, kRowBlock), last = m - (m - 1) / kRowBlock * kRowBlock;
@@ -442,7 +443,7 @@ inline void bf16_block(const Tiles& w, const uint8_t* q, const TileScales& s, co
 // bf16 x with more rows than a group has vectors: the first kRowBlock rows dequantize each tile into
 // the thread's scratch (where there are more rows), the later ones read it.
 template <typename I>
-void bf16_registers(const Tiles& w, const at::BFloat16* x, int64_t m, float* out) {
+void bf16_registers(const Tiles& w, const at::BFloat16* x, int64_t m, at::BFloat16* out) {
   over_tiles<at::BFloat16>(w, m, m > kRowBlock ? kTileRows * w.k : 0, out,
                            [&](const TileScales& s, const uint8_t* tile, at::BFloat16* wt, int64_t r0, int64_t rows,
                                float(*y)[kTileRows]) {
@@ -676,8 +677,8 @@ inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, i
   }
 }
 
-template <typename I>
-void int8_activations(const Tiles& w, const float* x, int64_t m, float* out) {
+template <typename I, typename O>
+void int8_activations(const Tiles& w, const float* x, int64_t m, O* out) {
   const Int8Rows xq = quantize_rows<I>(w, x, m);
   over_tiles<float, false>(w, m, 0, out,
                            [&](const TileScales&, const uint8_t* tile, float*, int64_t r0, int64_t rows, float(*y)[kTileRows]) {
@@ -1158,6 +1159,21 @@ at::Tensor amx_bf16(const Tiles& w, const at::Tensor& x) {
 }
 #endif
 
+// x's values as contiguous fp32: its own data where it is that already, else widened into buf
+// (a plain loop: a decode step's few rows are not worth a TensorIterator).
+const float* as_float(const at::Tensor& x, std::vector<float>& buf) {
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
+  const at::Tensor xc = x.contiguous();
+  buf.resize(xc.numel());
+  if (xc.scalar_type() == at::kBFloat16)
+    at::vec::convert(xc.data_ptr<at::BFloat16>(), buf.data(), xc.numel());
+  else if (xc.scalar_type() == at::kHalf)
+    at::vec::convert(xc.data_ptr<at::Half>(), buf.data(), xc.numel());
+  else
+    TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16, not ", xc.scalar_type());
+  return buf.data();
+}
+
 template <typename I>
 at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int64_t int8_rows) {
   const int64_t m = x.size(0);
@@ -1177,24 +1193,26 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
     if (x.scalar_type() == at::kHalf) return dense_chunks<I, at::Half>(w, x);
     return fp32_gemm<I>(w, x);
   }
-  at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
-#if defined(KAITEN_INT8_ACTIVATIONS)
-  if (m <= int8_rows && w.k % 32 == 0) {
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    int8_activations<I>(w, xf.data_ptr<float>(), m, out.data_ptr<float>());
-    return out.to(x.scalar_type());
-  }
-#endif
+  at::Tensor out = at::empty({m, w.n}, x.options());
 #if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16 && m > I::kVecs && w.k % 32 == 0) {
+  if (x.scalar_type() == at::kBFloat16 && m > I::kVecs && m > int8_rows && w.k % 32 == 0) {
     const at::Tensor xb = x.contiguous();
-    bf16_registers<I>(w, xb.data_ptr<at::BFloat16>(), m, out.data_ptr<float>());
-    return out.to(x.scalar_type());
+    bf16_registers<I>(w, xb.data_ptr<at::BFloat16>(), m, out.data_ptr<at::BFloat16>());
+    return out;
   }
 #endif
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  registers<I>(w, xf.data_ptr<float>(), m, out.data_ptr<float>());
-  return out.to(x.scalar_type());
+  std::vector<float> buf;
+  const float* xf = as_float(x, buf);
+  const auto into = [&](auto* o) {
+#if defined(KAITEN_INT8_ACTIVATIONS)
+    if (m <= int8_rows && w.k % 32 == 0) return int8_activations<I>(w, xf, m, o);
+#endif
+    registers<I>(w, xf, m, o);
+  };
+  if (x.scalar_type() == at::kFloat) into(out.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16) into(out.data_ptr<at::BFloat16>());
+  else into(out.data_ptr<at::Half>());
+  return out;
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n, int64_t k, int64_t bits,
