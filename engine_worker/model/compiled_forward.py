@@ -14,6 +14,10 @@ op rebuilds the metadata from its tensors and uses BACKEND_CACHE's instance of t
 
 The token count and the batch's shape vary per step: they are dynamic dimensions, without
 specialising on 0 or 1 (unbacked sizes), so one graph serves every step.
+
+The graph's wrapper, which calls its kernels and ops in order, is C++ (Inductor's cpp_wrapper),
+not Python: a SmolLM2 step makes about 270 such calls, and from Python they cost 0.88x less of a
+one-stream step (Zen 4, Q8_0 weights, 7.6 against 8.7 ms), for about 30 s more of a cold compile.
 """
 from __future__ import annotations
 
@@ -157,7 +161,7 @@ def compiled_forward_for(signature: tuple) -> Callable:
         code = _forward.__code__.replace(co_name=f"_forward_{len(COMPILED_FORWARD_CACHE)}")
         copy = types.FunctionType(code, _forward.__globals__, code.co_name)
         fn = torch.compile(copy, dynamic=False, fullgraph=True,
-                           options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+                           options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True})
         COMPILED_FORWARD_CACHE[signature] = fn
     return fn
 
