@@ -39,10 +39,12 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core)")
+    ap.add_argument("--model", default="", help="a GGUF file or a model folder (default: the default model)")
     args = ap.parse_args()
-    from shared.gguf_convert import ensure_default_model
+    from shared.gguf_convert import ensure_converted_gguf, ensure_default_model
     load0 = load_avg()
-    llm = LLM(str(ensure_default_model()), max_num_seqs=64, kv_cache_memory="512MiB", quantization="auto",
+    model = ensure_converted_gguf(args.model) if args.model.endswith(".gguf") else args.model or ensure_default_model()
+    llm = LLM(str(model), max_num_seqs=64, kv_cache_memory="512MiB", quantization="auto",
               num_threads=args.threads)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True)
@@ -64,7 +66,7 @@ def main() -> int:
         elif e.key.startswith("kaiten_cpu::") and "linear" not in e.key:
             parts[e.key] += e.self_cpu_time_total / 1e3 / args.steps
     rest = step_ms - sum(parts.values())
-    lines = [f"# Decode step profile, quantized default model, B={args.batch}, context {args.context}\n",
+    lines = [f"# Decode step profile, {Path(str(model)).name} quantized, B={args.batch}, context {args.context}\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), {torch.get_num_threads()} threads, extension ISA "
              f"{cpu_capability()[0]}, torch {torch.__version__}; load {load0} before, {load_avg()} after. "
              f"Mean of {args.steps} steps under torch.profiler (its overhead is in 'rest').\n",
@@ -75,7 +77,7 @@ def main() -> int:
               f"| **step** | **{step_ms:.2f}** | |"]
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"quant_step_profile_b{args.batch}.md").write_text(text)
+    (RESULTS / f"quant_step_profile_b{args.batch}{'_' + Path(args.model).stem if args.model else ''}.md").write_text(text)
     print(text)
     return 0
 

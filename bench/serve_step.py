@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import proc_cpu  # noqa: E402
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.peer_llamacpp import LLAMA_PEER, gguf_path  # noqa: E402
 from bench.peer_offline import DEFAULT_PEER  # noqa: E402
@@ -55,13 +56,17 @@ def served(gguf: str, tokenizer: str, args) -> list[dict]:
     runs = []
     try:
         for rnd in range(args.rounds):
-            before = scrape(metrics_url)
+            before, cpu_before = scrape(metrics_url), proc_cpu.snapshot(srv.proc.pid)
             res = bench_client(str(args.peer), srv.url, Path(tokenizer).name, tokenizer, 1, args.prompts, args,
                                seed=100 + rnd)
-            after = scrape(metrics_url)
+            after, cpu_after = scrape(metrics_url), proc_cpu.snapshot(srv.proc.pid)
             mean = {k: (after[k][0] - before[k][0]) / max(1.0, after[k][1] - before[k][1]) * 1e3 for k in HISTOGRAMS}
+            tokens = args.prompts * args.output_len
+            cpu = proc_cpu.by_role(proc_cpu.difference(cpu_before, cpu_after))
             runs.append({"tpot_p50_ms": res.get("median_tpot_ms"), "error": res.get("error"),
-                         "step_mean_ms": mean[HISTOGRAMS[0]], "round_mean_ms": mean[HISTOGRAMS[1]]})
+                         "step_mean_ms": mean[HISTOGRAMS[0]], "round_mean_ms": mean[HISTOGRAMS[1]],
+                         "cpu_ms_per_token": {k: round(sec * 1e3 / tokens, 3) for k, (sec, _) in cpu.items()},
+                         "preemptions_per_token": {k: round(n / tokens, 3) for k, (_, n) in cpu.items()}})
             print(gguf, runs[-1], flush=True)
     finally:
         stop_server(srv)
@@ -73,6 +78,23 @@ def alone(model_dir: str) -> float:
     from engine_worker import LLM
     llm = LLM(model_dir, max_num_seqs=64, kv_cache_memory="512MiB")
     return decode_ms({"alone": llm}, 1, 256, 7, 8)["alone"]
+
+
+def cpu_table(report: dict) -> list[str]:
+    """CPU ms and preemptions (involuntary context switches) per output token, by process and
+    thread, the runs' mean."""
+    lines = ["\nCPU time per output token while serving, by process and thread (the runs' mean; an engine's "
+             "busiest threads besides its main one are its OpenMP workers and the I/O thread; preemptions are "
+             "involuntary context switches; the client, not shown, is the same for every server):\n",
+             "| file | process / thread | CPU ms per token | preemptions per token |", "|---|---|---:|---:|"]
+    for kind, r in report["files"].items():
+        runs = r["served"]
+        keys = sorted({k for run in runs for k in run["cpu_ms_per_token"]})
+        for k in keys:
+            ms = sum(run["cpu_ms_per_token"].get(k, 0.0) for run in runs) / len(runs)
+            pre = sum(run["preemptions_per_token"].get(k, 0.0) for run in runs) / len(runs)
+            lines.append(f"| {kind} | {k} | {ms:.3f} | {pre:.3f} |")
+    return lines
 
 
 def main() -> None:
@@ -101,6 +123,7 @@ def main() -> None:
         fmt = lambda key: ", ".join(f"{run[key]:.2f}" for run in r["served"] if run[key] is not None)  # noqa: E731
         lines.append(f"| {kind} | {fmt('tpot_p50_ms')} | {fmt('step_mean_ms')} | {fmt('round_mean_ms')} "
                      f"| {r['alone_step_ms']:.2f} |")
+    lines += cpu_table(report)
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
