@@ -5,7 +5,6 @@ time goes besides the engine's step (the gateway, Redis, the engine's own thread
 from __future__ import annotations
 
 import os
-from collections import Counter
 from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -80,8 +79,7 @@ def by_role(diff: dict[tuple[str, str], tuple[float, int]], top_threads: int = 2
     """Each process's main thread and its `top_threads` busiest other threads apart, the rest of
     its threads summed: {"engine main": (s, preemptions), "engine thread 1": ..., "engine rest": ...}."""
     rows: dict[str, list] = {}
-    procs = Counter(proc for proc, _ in diff)
-    for proc in procs:
+    for proc in sorted({proc for proc, _ in diff}):
         name = proc.split("[", 1)[0]
         threads = sorted(((t, v) for (p, t), v in diff.items() if p == proc and t != "main"), key=lambda tv: -tv[1][0])
         parts = [("main", diff.get((proc, "main"), (0.0, 0)))]

@@ -6,6 +6,9 @@ the engine's step and Redis-round histograms (kaiten:engine_step_duration_second
 kaiten:engine_redis_round_seconds, from its /metrics) read before and after each run; then, with
 the server stopped, the same engine's decode step in one process (bench/quant_decode.py's
 decode_ms: context 256, 7 rounds x 8 steps). The served step's mean includes the 8 prefill steps.
+Around each run it also reads every server process's and thread's CPU time and involuntary context
+switches from /proc (bench/proc_cpu.py): what the gateway, Redis and the engine's own threads
+spend a token, and how often the engine's threads are preempted.
 
     .venv/bin/python bench/serve_step.py [--files q4_1,q8_0] [--rounds 2] [--prompts 8]
 
