@@ -101,6 +101,7 @@ class FakeEngine:
         self.script = script or self.default_script
         self.step_s = step_s
         self.hb_extra = dict(hb or {})
+        self._hb_lock = threading.Lock()       # one heartbeat's fields and SET at a time
         self.requests: dict[str, FakeRequest] = {}
         self.aborts: list[str] = []
         self.heartbeat_on = True
@@ -117,11 +118,19 @@ class FakeEngine:
 
     # -- heartbeat
     def heartbeat(self) -> None:
-        hb = {"engine_id": self.engine_id, "model": self.model, "max_model_len": self.max_model_len,
-              "vocab_size": self.vocab_size, "capacity": 64, "num_running": 0, "num_waiting": 0,
-              "num_waiting_tokens": 0, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.0, "time": time.time()}
-        hb.update(self.hb_extra)
-        self.r.set(names.heartbeat_key(self.engine_id), msgpack.packb(hb, use_bin_type=True), px=5000)
+        with self._hb_lock:
+            hb = {"engine_id": self.engine_id, "model": self.model, "max_model_len": self.max_model_len,
+                  "vocab_size": self.vocab_size, "capacity": 64, "num_running": 0, "num_waiting": 0,
+                  "num_waiting_tokens": 0, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.0, "time": time.time()}
+            hb.update(self.hb_extra)
+            self.r.set(names.heartbeat_key(self.engine_id), msgpack.packb(hb, use_bin_type=True), px=5000)
+
+    def set_heartbeat(self, **fields) -> None:
+        """Report `fields` from now on, written at once: no heartbeat of the loop's, built from the
+        fields before, can land after this one."""
+        with self._hb_lock:
+            self.hb_extra = fields
+        self.heartbeat()
 
     def _hb_loop(self) -> None:
         while not self._stop.is_set():
