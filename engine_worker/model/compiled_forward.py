@@ -16,8 +16,8 @@ The token count and the batch's shape vary per step: they are dynamic dimensions
 specialising on 0 or 1 (unbacked sizes), so one graph serves every step.
 
 The graph's wrapper, which calls its kernels and ops in order, is C++ (Inductor's cpp_wrapper),
-not Python: a SmolLM2 step makes about 270 such calls, and from Python they cost 0.88x less of a
-one-stream step (Zen 4, Q8_0 weights, 7.6 against 8.7 ms), for about 30 s more of a cold start
+not Python: a SmolLM2 step makes about 270 such calls, and made from C++ they leave a one-stream
+step 0.88x the time (Zen 4, Q8_0 weights, 7.6 against 8.7 ms), for about 30 s more of a cold start
 (89 against 57 s from a new GGUF file).
 """
 from __future__ import annotations
