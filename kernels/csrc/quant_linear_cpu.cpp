@@ -1194,8 +1194,13 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
     return fp32_gemm<I>(w, x);
   }
   at::Tensor out = at::empty({m, w.n}, x.options());
+#if defined(KAITEN_INT8_ACTIVATIONS)
+  const bool int8 = m <= int8_rows && w.k % 32 == 0;
+#else
+  constexpr bool int8 = false;
+#endif
 #if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16 && m > I::kVecs && m > int8_rows && w.k % 32 == 0) {
+  if (!int8 && x.scalar_type() == at::kBFloat16 && m > I::kVecs && w.k % 32 == 0) {
     const at::Tensor xb = x.contiguous();
     bf16_registers<I>(w, xb.data_ptr<at::BFloat16>(), m, out.data_ptr<at::BFloat16>());
     return out;
@@ -1205,7 +1210,7 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
   const float* xf = as_float(x, buf);
   const auto into = [&](auto* o) {
 #if defined(KAITEN_INT8_ACTIVATIONS)
-    if (m <= int8_rows && w.k % 32 == 0) return int8_activations<I>(w, xf, m, o);
+    if (int8) return int8_activations<I>(w, xf, m, o);
 #endif
     registers<I>(w, xf, m, o);
   };
