@@ -17,7 +17,6 @@ Writes bench/results/attention_one_stream.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -29,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
+from bench.results_files import write_results  # noqa: E402
 from engine_worker.model.host_memory import zeros_on_huge_pages  # noqa: E402
 from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
 
@@ -97,10 +97,7 @@ def main() -> None:
         a, b = med[f"fp32:{batch}x{ctx}@{threads}"], med[f"fp32:{batch}x{ctx}@1"]
         c, d = med[f"fp16:{batch}x{ctx}@{threads}"], med[f"fp16:{batch}x{ctx}@1"]
         lines.append(f"| {batch} x {ctx} | {a:.2f} | {b:.2f} | {a / b:.2f} | {c:.2f} | {d:.2f} | {c / a:.2f} |")
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, result, "\n".join(lines))
 
 
 if __name__ == "__main__":

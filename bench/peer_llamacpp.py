@@ -14,7 +14,6 @@ tokens with ignore_eos, greedy. Writes bench/results/peer_llamacpp.{md,json} wit
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.peer_offline import DEFAULT_PEER  # noqa: E402
 from bench.peer_serve import (RESULTS, Server, interleaved_runs, pair_rows, rounds_note, start_server,  # noqa: E402
                               stop_server)
+from bench.results_files import write_results  # noqa: E402
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
 from shared.launcher import free_port  # noqa: E402
 
@@ -64,10 +64,7 @@ def main() -> None:
         tokenizer_dir = str(ensure_converted_gguf(Path(gguf)))     # the client's tokenizer; converted once
         report["files"][kind] = file_runs(kind, gguf, tokenizer_dir, args)
     report["load_avg_after"] = load_avg()
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report, args.concurrency))
-    print(markdown(report, args.concurrency))
+    write_results(args.out, report, markdown(report, args.concurrency))
 
 
 def file_runs(kind: str, gguf: str, tokenizer_dir: str, args) -> dict:

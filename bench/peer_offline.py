@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results_files import write_results  # noqa: E402
 from bench.workload import workload  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -239,11 +240,7 @@ def main() -> None:
               "torch_threads": os.cpu_count(), "read_gbps": bandwidth / 1e9,
               "load_avg_before": load_before, "load_avg_after": load_avg(),
               "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    write_results(args.out, report, markdown(report))
 
 
 def _tps(r: dict) -> float | None:

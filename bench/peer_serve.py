@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.peer_offline import DEFAULT_PEER  # noqa: E402
+from bench.results_files import write_results  # noqa: E402
 from shared.launcher import free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -201,10 +202,7 @@ def main() -> None:
             stack.callback(stop_server, servers[system])
         report["systems"] |= interleaved_runs(servers, args.concurrency, args)
     report["load_avg_after"] = load_avg()
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report, args.concurrency))
-    print(markdown(report, args.concurrency))
+    write_results(args.out, report, markdown(report, args.concurrency))
 
 
 def hf_view(model_dir: str, tmp: Path) -> str:

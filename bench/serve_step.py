@@ -17,11 +17,9 @@ Writes bench/results/serve_step.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
-import types
 import urllib.request
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.peer_llamacpp import LLAMA_PEER, gguf_path  # noqa: E402
 from bench.peer_offline import DEFAULT_PEER  # noqa: E402
 from bench.peer_serve import RESULTS, bench_client, start_server, stop_server  # noqa: E402
+from bench.results_files import write_results  # noqa: E402
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
 from shared.launcher import free_port  # noqa: E402
 
@@ -127,10 +126,7 @@ def main() -> None:
         lines.append(f"| {kind} | {fmt('tpot_p50_ms')} | {fmt('step_mean_ms')} | {fmt('round_mean_ms')} "
                      f"| {r['alone_step_ms']:.2f} |")
     lines += cpu_table(report)
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, report, "\n".join(lines))
 
 
 if __name__ == "__main__":
