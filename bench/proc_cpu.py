@@ -77,7 +77,7 @@ def difference(before: dict, after: dict) -> dict[tuple[str, str], tuple[float, 
 
 def by_role(diff: dict[tuple[str, str], tuple[float, int]], top_threads: int = 2) -> dict[str, tuple[float, int]]:
     """Each process's main thread and its `top_threads` busiest other threads apart, the rest of
-    its threads summed: {"engine main": (s, preemptions), "engine thread 1": ..., "engine rest": ...}."""
+    its threads summed: {"engine main": (s, preemptions), "engine thread 1": ..., "engine other threads": ...}."""
     rows: dict[str, list] = {}
     for proc in sorted({proc for proc, _ in diff}):
         name = proc.split("[", 1)[0]
