@@ -1,8 +1,9 @@
 """Perplexity of the default model's Q4_1 GGUF on a fixed text, scored as llama.cpp's
 llama-perplexity scores it, for Kaiten served quantized (--quantization auto), the same GGUF's
-values dequantized exactly to fp32, the quantized engine with the projections' activations rounded
-to int8 in every row (the method a decode step's few rows take on a CPU with AVX512-VNNI, forced
-here for the whole prompt; the output layer stays exact, as served), the converter's bf16 copy (--quantization none, fp32 compute), and llama-perplexity itself
+values dequantized exactly to fp32, the quantized engine in fp32 with the projections' activations
+rounded to int8 in every row (what fp32 x takes by default where the build has int8 activations;
+the output layer stays exact, as served) and with them exact, the converter's bf16 copy
+(--quantization none, fp32 compute), and llama-perplexity itself
 on the same file. Also the largest logprob difference, token by token,
 between the quantized engine and the exact fp32 dequantization.
 
@@ -73,18 +74,15 @@ def dequantize_exactly(llm: LLM) -> None:
 
 
 @contextlib.contextmanager
-def int8_for_every_row():
-    """quant_linear's int8-activation method for any number of rows: build the engine inside (its
-    layers keep INT8_ROWS as at construction) and score inside (an eager engine reads
-    MIN_DENSE_ROWS at each call)."""
-    saved = quant_layers.INT8_ROWS, dict(quant_layers.MIN_DENSE_ROWS)
-    quant_layers.INT8_ROWS = 1 << 30
-    quant_layers.MIN_DENSE_ROWS.update({dtype: 1 << 31 for dtype in saved[1]})
+def int8_rows(rows: int | None):
+    """quant_linear's int8-activation method for every row (rows None: for none): build the engine
+    inside (its layers keep INT8_ROWS as at construction)."""
+    saved = quant_layers.INT8_ROWS
+    quant_layers.INT8_ROWS = {} if rows is None else {dtype: rows for dtype in saved}
     try:
         yield
     finally:
-        quant_layers.INT8_ROWS = saved[0]
-        quant_layers.MIN_DENSE_ROWS.update(saved[1])
+        quant_layers.INT8_ROWS = saved
 
 
 def scored_logprobs(llm: LLM, chunks: list[list[int]]) -> list[float]:
@@ -145,18 +143,18 @@ def main() -> int:
         exact = LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True, kv_cache_memory="256MiB")
         dequantize_exactly(exact)
         engines["Kaiten, GGUF values dequantized exactly to fp32"] = exact
-        int8_name = "Kaiten quantized, projections' activations int8 (every row), fp32"
         if int8_activations_built():
-            with int8_for_every_row():
-                engines[int8_name] = LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True,
-                                         kv_cache_memory="256MiB")
+            for name, rows in (("Kaiten quantized, projections' activations int8 (every row), fp32", 1 << 30),
+                               ("Kaiten quantized, projections' activations exact, fp32", None)):
+                with int8_rows(rows):
+                    engines[name] = LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True,
+                                        kv_cache_memory="256MiB")
         engines["Kaiten --quantization none (bf16 copy), fp32 compute"] = LLM(
             str(gguf), quantization="none", dtype="float32", kv_cache_memory="256MiB")
         meta["tokens"], meta["chunks"] = len(ids), len(chunks)
         lps = {}
         for name, llm in engines.items():
-            with int8_for_every_row() if name == int8_name else contextlib.nullcontext():
-                lps[name] = scored_logprobs(llm, chunks)
+            lps[name] = scored_logprobs(llm, chunks)
         dtypes = {name: str(llm.engine.runner.dtype).removeprefix("torch.") for name, llm in engines.items()}
     rows = {name: {"ppl": math.exp(-sum(v) / len(v)), "scored": len(v), "dtype": dtypes[name]} for name, v in lps.items()}
     ref = lps["Kaiten, GGUF values dequantized exactly to fp32"]

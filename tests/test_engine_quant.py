@@ -22,15 +22,15 @@ PROMPTS = ["The capital of France is", "Hello world! How are", "A paged KV cache
 # keep exact activations. Measured with Q4_1: prompt tokens 0.038 max / 0.010 mean, decode
 # 0.044 / 0.012, all 40 greedy tokens equal; with Q8_0 decode up to 0.053, and 25 of 48 greedy
 # tokens equal in the batch: this random model's flat distributions let the bf16 rounding flip them.
-# With int8 activations (decode steps' few rows, on a CPU with AVX512-VNNI; the prompts' rows stay
-# exact) decode differs more: Q4_1 up to 0.20 / 0.042 mean, 43 of 48 greedy tokens equal; Q8_0
-# 0.19 / 0.040, 16 of 48 (2-core Xeon).
+# With int8 activations decode differs more: on a CPU with AVX512-VNNI, when only decode steps'
+# few rows took them, Q4_1 up to 0.20 / 0.042 mean, 43 of 48 greedy tokens equal; Q8_0 0.19 /
+# 0.040, 16 of 48 (2-core Xeon). In every row of fp32 x (prompts too; AVX2 Zen 3): prompt tokens
+# Q4_1 0.149 / 0.030, 31 of 48 greedy tokens equal; Q8_0 0.160 / 0.040, 19 of 48.
 # tokens: the share of greedy tokens equal in the batch; compared: decode tokens before a flip.
 TOLERANCES = {("Q4_1", "exact"): dict(max=0.05, mean=0.02, tokens=0.9, compared=20),
               ("Q8_0", "exact"): dict(max=0.08, mean=0.02, tokens=0.4, compared=8),
-              ("Q4_1", "int8"): dict(max=0.3, mean=0.08, tokens=0.75, compared=10),
+              ("Q4_1", "int8"): dict(max=0.3, mean=0.08, tokens=0.55, compared=10),
               ("Q8_0", "int8"): dict(max=0.3, mean=0.08, tokens=0.25, compared=8)}
-PROMPT_TOLERANCE = {"Q4_1": dict(max=0.05, mean=0.02), "Q8_0": dict(max=0.08, mean=0.02)}
 
 
 @pytest.fixture(scope="module", params=["Q4_1", "Q8_0"])
@@ -41,8 +41,9 @@ def fmt(request) -> str:
 
 @pytest.fixture(scope="module", params=["exact", "int8"])
 def activations(request) -> str:
-    """How decode steps multiply: int8-rounded activations (the default, where the build can) or
-    exact ones (INT8_ROWS 0 when the engines load the model: a compiled graph of their own)."""
+    """How the projections multiply fp32 x: int8-rounded activations (the default, where the build
+    can: every row) or exact ones (INT8_ROWS empty when the engines load the model: a compiled
+    graph of their own)."""
     return request.param
 
 
@@ -58,7 +59,7 @@ def engines(quant_gguf, activations, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KAITEN_MODELS_DIR", str(tmp_path_factory.mktemp("models")))
         if activations == "exact":
-            mp.setattr(quant_layers, "INT8_ROWS", 0)
+            mp.setattr(quant_layers, "INT8_ROWS", {})
         # auto compiled (its graph calls the dispatcher op), none eager
         return {q: LLM(str(quant_gguf), dtype="float32", quantization=q, kv_cache_memory=8 * 2**20,
                        enforce_eager=q == "none") for q in ("auto", "none")}
@@ -81,10 +82,12 @@ def test_auto_keeps_the_kv_cache_in_fp16_and_none_in_the_models_dtype(engines, q
     far less than the weights' quantization does."""
     assert {q: llm.engine.runner.kv_caches[0][0].dtype for q, llm in engines.items()} == \
         {"auto": torch.float16, "none": torch.float32}
-    if activations == "exact":
-        return          # one comparison per format, where both engines take INT8_ROWS as it is
-    fp32_kv = LLM(str(quant_gguf), dtype="float32", kv_cache_dtype="float32", kv_cache_memory=8 * 2**20,
-                  enforce_eager=True)
+    if activations == "int8":
+        return          # one comparison per format, with exact activations: int8 rounding would add its own flips
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant_layers, "INT8_ROWS", {})
+        fp32_kv = LLM(str(quant_gguf), dtype="float32", kv_cache_dtype="float32", kv_cache_memory=8 * 2**20,
+                      enforce_eager=True)
     assert fp32_kv.engine.runner.kv_caches[0][0].dtype == torch.float32
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0, logprobs=0)
     got = [llm.generate(PROMPTS, params) for llm in (engines["auto"], fp32_kv)]
@@ -95,7 +98,7 @@ def test_auto_keeps_the_kv_cache_in_fp16_and_none_in_the_models_dtype(engines, q
 
 
 def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines, fmt, activations):
-    tol = TOLERANCES[fmt, activations] | PROMPT_TOLERANCE[fmt]
+    tol = TOLERANCES[fmt, activations]     # prompt and decode logprobs alike
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = {q: llm.generate(PROMPTS, params) for q, llm in engines.items()}
@@ -103,7 +106,7 @@ def test_quantized_logprobs_and_greedy_tokens_match_dequantized(engines, fmt, ac
     assert "kaiten_cpu::quant_linear" in {e.key for e in prof.key_averages()}
     diffs = [abs(x.logprob - y.logprob) for a, b in zip(got["auto"], got["none"])
              for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
-    assert max(diffs) < tol["max"] and sum(diffs) / len(diffs) < tol["mean"], diffs   # prompts: exact rows
+    assert max(diffs) < tol["max"] and sum(diffs) / len(diffs) < tol["mean"], diffs
     tokens = [(x, y) for a, b in zip(got["auto"], got["none"]) for x, y in zip(a.token_ids, b.token_ids)]
     assert sum(x == y for x, y in tokens) >= tol["tokens"] * len(tokens)
 

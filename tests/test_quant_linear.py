@@ -129,11 +129,12 @@ def int8_reference(x: torch.Tensor, lin: QuantLinear) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt,n,k", CASES)
-@pytest.mark.parametrize("m", [1, 3, 6, 33])
+@pytest.mark.parametrize("m", [1, 3, 6, 9, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_activations(fmt, n, k, m, dtype):
-    """In the AVX-512 (with and without VNNI) and AVX2 builds, the int8 method equals its exact
-    reference but for the summation order, and stays within 5% of the exact product's norm on these activations with
+    """In the AVX-512 (with and without VNNI) and AVX2 builds, the int8 method (a row at a time
+    against each tile for few rows, the int8 panel GEMM for more) equals its exact reference but
+    for the summation order, and stays within 5% of the exact product's norm on these activations with
     outlier channels. Other builds take the exact method for those rows."""
     lin = layer(fmt, n, k)
     x = fresh_x(m, k, m).to(dtype)
@@ -149,17 +150,19 @@ def test_int8_activations(fmt, n, k, m, dtype):
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_layer_picks_a_method_by_rows(fmt):
-    """QuantLinear multiplies int8-rounded activations up to INT8_ROWS (where the build can), the
-    exact activations in registers below MIN_DENSE_ROWS and by the dense method (the panel GEMM
-    for fp32 x) from it."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_picks_a_method_by_rows(fmt, dtype):
+    """QuantLinear multiplies int8-rounded activations up to INT8_ROWS[x's dtype] rows (where the
+    build can; every row for fp32 x), past that the exact activations in registers below
+    MIN_DENSE_ROWS and by the dense method from it."""
     lin = layer(fmt, 37, 96)
-    dense = MIN_DENSE_ROWS[torch.float32]
-    for m in (1, 2, 3, 4, 8, INT8_ROWS, INT8_ROWS + 1, dense - 1, dense, dense + 9):
-        x = fresh_x(m, 96, 11)
-        int8 = m <= INT8_ROWS and int8_activations_built()
-        expected = int8_reference(x, lin).float() if int8 else reference(x, lin)
-        torch.testing.assert_close(lin(x), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    dense = MIN_DENSE_ROWS[dtype]
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for m in sorted({1, 2, 3, 4, 8, 9, INT8_ROWS[torch.bfloat16], INT8_ROWS[torch.bfloat16] + 1, dense - 1, dense, dense + 9}):
+        x = fresh_x(m, 96, 11).to(dtype)
+        int8 = m <= INT8_ROWS[dtype] and int8_activations_built()
+        expected = int8_reference(x, lin) if int8 else reference(x, lin).double()
+        torch.testing.assert_close(lin(x).double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("method", list(METHODS))

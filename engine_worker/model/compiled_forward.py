@@ -194,6 +194,8 @@ def _describe(value):
         return value
     if isinstance(value, (tuple, list)):
         return tuple(_describe(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((repr(k), _describe(v)) for k, v in value.items()))
     if dataclasses.is_dataclass(value) or isinstance(value, enum.Enum):
         return repr(value)
     return type(value).__qualname__          # a module (described by its own name) or a helper object

@@ -36,13 +36,20 @@ from shared.gguf_quant import PackedWeight
 MIN_DENSE_ROWS = {torch.bfloat16: 12 if torch.cpu._is_amx_tile_supported() else 24, torch.float32: 64}
 # Rows of x up to which quant_linear multiplies int8-rounded activations by the stored integers
 # (llama.cpp's way; AVX-512 and AVX2 builds, vpdpbusd where the CPU has AVX512-VNNI, else
-# vpmaddubsw and vpmaddwd). 2-core Xeon with AMX, int8 / exact time, Q4_1 and Q8_0 projections:
-# VNNI, fp32 x 0.62x and 0.84x at one row; bf16 x (the bf16 dot products from 3 rows) 0.87x and
-# 0.94x at 1 row, 0.55x and 0.63x at 4, 0.78x and 0.75x at 16. The same Xeon, fp32 x against the
-# fp32 registers, gate_up and down (bench/quant_linear.py --rows 1,4,16): the AVX2 build Q4_1
-# 0.63-0.78x at 1 to 16 rows, Q8_0 0.88x at one row, 0.95-1.09x at 4 and 16; the AVX-512 build
-# without VNNI Q4_1 0.69-0.84x, Q8_0 0.92-1.0x.
-INT8_ROWS = 16
+# vpmaddubsw and vpmaddwd), by x's dtype: up to 8 rows (16 on AVX-512) a row at a time against
+# each tile, from there the int8 panel GEMM. fp32 x: every row. 2-core Zen 3 EPYC (AVX2), 2
+# threads, the default model (Q4_1 projections), one process, int8 in every row against up to 16
+# (the exact fp32 registers and panel GEMM past that): a prompt token 0.81x the time (1.355 against
+# 1.675 ms, 16 prompts of 256), a 32-row decode step 0.71x (97.5 against 136.6 ms), perplexity on
+# quant_decode's text 40.69 against 41.47. bf16 x (the bf16 dot products and panels past 16 rows
+# on AVX512-BF16, AMX's tiles): 2-core Xeon with AMX, int8 / exact time, Q4_1 and Q8_0
+# projections: VNNI, fp32 x 0.62x and 0.84x at one row; bf16 x (the bf16 dot products from 3 rows)
+# 0.87x and 0.94x at 1 row, 0.55x and 0.63x at 4, 0.78x and 0.75x at 16. The same Xeon, fp32 x
+# against the fp32 registers, gate_up and down (bench/quant_linear.py --rows 1,4,16): the AVX2
+# build Q4_1 0.63-0.78x at 1 to 16 rows, Q8_0 0.88x at one row, 0.95-1.09x at 4 and 16; the
+# AVX-512 build without VNNI Q4_1 0.69-0.84x, Q8_0 0.92-1.0x.
+INT8_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16, torch.float16: 16}
+
 
 class QuantLinear(nn.Module):
     """y = x W^T, W packed (int4 or int8 with group scales and mins) in quant_linear's tiles
@@ -50,7 +57,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, packed: PackedWeight, int8_activations: bool = True):
         super().__init__()
-        self.int8_rows = INT8_ROWS if int8_activations else 0     # as at construction: a compiled graph's constant
+        self.int8_rows = dict(INT8_ROWS) if int8_activations else {}   # as at construction: a compiled graph's constants
         tiles, self.fmt = to_tiles(packed)
         self.register_buffer("tiles", torch.from_numpy(tiles))
         f = self.fmt
@@ -62,7 +69,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 96),
-                                                 self.int8_rows)
+                                                 self.int8_rows.get(x.dtype, 0))
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in fp32, computed as gguf's dequantizer does."""

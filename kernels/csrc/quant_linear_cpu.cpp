@@ -8,8 +8,15 @@
 // as one run, and fp16 scales keep the tensor at the GGUF file's size (20 bytes per 32 int4
 // weights, 34 per 32 int8).
 //
-// Five methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
+// Six methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
 // from the caller, measured by bench/quant_linear.py):
+// * m <= int8_rows, in an AVX-512 or AVX2 build: *int8 activations*, as llama.cpp computes: x
+//   rounded to int8 per block of 32, integer dot products with the stored integers (vpdpbusd with
+//   AVX512-VNNI, 64 byte products an instruction; else vpmaddubsw and vpmaddwd), scaled per group
+//   in fp32. x is inexact (about 1% of the output's norm), the fewest instructions per weight. Up
+//   to kInt8BlockRows rows a row at a time against each tile (int8_block); more by the *int8 panel
+//   GEMM* (Int8Panel): panel_gemm's panels hold the stored integers reordered by quads of inputs,
+//   each quad of a row of x broadcast against them.
 // * m >= min_dense_rows (prefill, large decode batches), a GEMM, faster once a dequantized weight
 //   is reused by enough rows:
 //   - fp32 x, and bf16 x on AVX512-BF16 without AMX: our own *panel GEMM* (panel_gemm): panels of
@@ -21,11 +28,6 @@
 //     that, the bf16 panels met by x on the tiles (AmxPanel).
 //   - else (bf16 x without AVX512-BF16; fp16 x): chunks of weight rows dequantized into scratch
 //     in x's dtype and multiplied by at::mm (oneDNN, dense_chunks).
-// * m <= int8_rows, in an AVX-512 or AVX2 build: *int8 activations*, as llama.cpp computes: x
-//   rounded to int8 per block of 32, integer dot products with the stored integers (vpdpbusd with
-//   AVX512-VNNI, 64 byte products an instruction; else vpmaddubsw and vpmaddwd), scaled per group
-//   in fp32 (int8_block). x is inexact (about 1% of the output's norm), the fewest instructions
-//   per weight.
 // * else (but for the bf16 case below) in fp32 registers, with x exact, up to 4 rows of x meeting
 //   a tile while it is in L1 (its scales widened once for them). With few rows, per group, the dot
 //   product of x with the stored integers (widened to fp32) is scaled once: y = sum_g scale_g *
@@ -52,6 +54,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -821,6 +824,221 @@ at::Tensor fp32_gemm(const Tiles& w, const at::Tensor& x) {
   return out.to(x.scalar_type());
 }
 
+#if defined(KAITEN_INT8_ACTIVATIONS)
+// The int8 panel GEMM: int8 activations for more rows than int8_block serves well. x's rows are
+// rounded as quantize_rows rounds them, each into a record of x_record_bytes(): its k integers,
+// then per block of 32 its scale (fp32), per weight group the rounded x's sum (fp32: the mins'
+// factor) and, for int8 weights with VNNI, 128 times its integers' sum (int32: what w + 128
+// adds). Zero records are zero rows, so panel_gemm's padded tail needs nothing more. A panel is
+// 2 x kIntLanes weight rows, per group their scales and mins (fp32), then the group's integers
+// by quads of inputs, [G / 4][kPanel][4] bytes, so one vector holds 4 inputs of kIntLanes weight
+// rows and meets 4 bytes of a row of x broadcast to every lane: int4 as bytes 0-15 (vpmaddubsw
+// pairs summed in int16 over a group: 8 x 2 x 15 x 127 fits; with VNNI vpdpbusd), int8 signed
+// (|w| against x times w's sign, vpmaddwd each quad; with VNNI as w + 128). Per group each
+// row's int32 dots are scaled into fp32 accumulators, as in int8_block.
+inline int64_t x_record_bytes(const Tiles& w) { return (w.k + 4 * (w.k / 32) + 8 * w.groups + 63) / 64 * 64; }
+
+template <typename I>
+std::vector<int8_t> x_records(const Tiles& w, const float* x, int64_t m) {
+  constexpr int G = I::kGroup;
+  const int64_t ld = x_record_bytes(w);
+  std::vector<int8_t> rec(m * ld);
+  for (int64_t r = 0; r < m; ++r) {
+    int8_t* q = rec.data() + r * ld;
+    float* d = reinterpret_cast<float*>(q + w.k);
+    float* sums = d + w.k / 32;
+    int32_t* corr = reinterpret_cast<int32_t*>(sums + w.groups);
+    for (int64_t b = 0; b < w.k / 32; ++b) {
+      const float amax = block_amax(x + r * w.k + b * 32);
+      d[b] = amax / 127.f;
+      round_block(x + r * w.k + b * 32, amax > 0.f ? 127.f / amax : 0.f, q + b * 32);
+    }
+    for (int64_t g = 0; g < w.groups; ++g) {
+      int32_t sum = 0;
+      for (int j = 0; j < G; ++j) sum += q[g * G + j];
+      sums[g] = static_cast<float>(sum) * d[g * G / 32];
+      corr[g] = 128 * sum;
+    }
+  }
+  return rec;
+}
+
+// 4 bytes of x in every int32 lane.
+inline IVec bcast_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_set1_epi32(v);
+#else
+  return _mm256_set1_epi32(v);
+#endif
+}
+
+
+inline IVec iabs8(IVec v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_abs_epi8(v);
+#else
+  return _mm256_abs_epi8(v);
+#endif
+}
+
+// acc plus the dots of a panel's weight bytes w (a: their magnitudes, for the sign trick) with a
+// quad of x in every lane: int16 pairs for int4 without VNNI (group_dot widens them), else int32.
+template <typename I>
+inline IVec quad_dot(IVec acc, IVec w, IVec a, IVec xb) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, w, xb);     // int8 weights stored as w + 128
+#elif defined(CPU_CAPABILITY_AVX512)
+  if constexpr (I::kInt4) return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, xb));
+  const IVec sx = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xb);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, sx), _mm512_set1_epi16(1)));
+#else
+  if constexpr (I::kInt4) return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, xb));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(xb, w)), _mm256_set1_epi16(1)));
+#endif
+}
+
+// A group's int32 dots from quad_dot's sums; rec: the row's x record.
+template <typename I>
+inline IVec group_dot(IVec dot, const int8_t* rec, int64_t k, int64_t groups, int64_t g) {
+#if defined(__AVX512VNNI__)
+  if constexpr (I::kInt4) return dot;
+  const int32_t* corr = reinterpret_cast<const int32_t*>(rec + k + 4 * (k / 32) + 4 * groups);
+  return _mm512_sub_epi32(dot, _mm512_set1_epi32(corr[g]));
+#elif defined(CPU_CAPABILITY_AVX512)
+  return I::kInt4 ? _mm512_madd_epi16(dot, _mm512_set1_epi16(1)) : dot;
+#else
+  return I::kInt4 ? _mm256_madd_epi16(dot, _mm256_set1_epi16(1)) : dot;
+#endif
+}
+
+template <typename I>
+struct Int8Panel {
+  using X = int8_t;
+  using Out = float;
+  using P = uint8_t;
+  static constexpr int G = I::kGroup;
+  static constexpr bool kSignTrick = !I::kInt4 && !kVnni;   // int8 weights without VNNI
+  static constexpr int kPanel = 2 * kIntLanes;
+  // rows of x a pass: two integer accumulators each, besides the two weight vectors (and their
+  // magnitudes for the sign trick), in AVX2's 16 or AVX-512's 32 registers
+  static constexpr int kRows = kIntLanes == 16 ? (kSignTrick ? 6 : 12) : (kSignTrick ? 3 : 6);
+  int64_t k, groups;
+  bool mins;
+  std::vector<float> sbuf;
+
+  explicit Int8Panel(const Tiles& w) : k(w.k), groups(w.groups), mins(w.has_mins), sbuf(2 * w.scale_count()) {}
+  static int64_t group_size(bool has_mins) { return 4 * kPanel * (has_mins ? 2 : 1) + G * kPanel; }
+  static int64_t panel_size(const Tiles& w) { return w.groups * group_size(w.has_mins); }
+
+  template <typename>
+  void pack(const Tiles& w, int64_t t0, uint8_t* panel) {
+    const int64_t gs = group_size(w.has_mins);
+    for (int tt = 0; tt < kPanel / kTileRows; ++tt) {
+      const bool real = t0 + tt < w.tiles;
+      const uint8_t* tile = real ? w.tile(t0 + tt) : nullptr;
+      const TileScales s = real ? TileScales(w, tile, sbuf.data()) : TileScales();
+      for (int64_t g = 0; g < w.groups; ++g) {
+        float* sc = reinterpret_cast<float*>(panel + g * gs);
+        for (int i = 0; i < kTileRows; ++i) {
+          sc[tt * kTileRows + i] = real ? s.scales[g * kTileRows + i] : 0.f;
+          if (w.has_mins) sc[kPanel + tt * kTileRows + i] = real ? s.mins[g * kTileRows + i] : 0.f;
+        }
+        uint8_t* ints = panel + g * gs + 4 * kPanel * (w.has_mins ? 2 : 1) + tt * kTileRows * 4;
+        const uint8_t* q = real ? w.ints(tile) + g * kTileRows * I::kBytes : nullptr;
+        if constexpr (G == 32)
+          pack_group(q, ints);
+        else
+          for (int qd = 0; qd < G / 4; ++qd)
+            for (int i = 0; i < kTileRows; ++i)
+              for (int b = 0; b < 4; ++b)
+                ints[qd * kPanel * 4 + i * 4 + b] = real ? panel_byte(q[i * I::kBytes + 4 * qd + b]) : panel_byte(0);
+      }
+    }
+  }
+
+  // A weight byte as the panel holds it.
+  static uint8_t panel_byte(uint8_t b) { return kVnni && !I::kInt4 ? b ^ 0x80 : b; }
+
+  // A tile's group of 32 (4 rows' bytes, q; nullptr: zeros) into its 4 rows' quads of the panel:
+  // a 4 x 8 transpose of 32-bit quads, quad qd of the 4 rows as 16 bytes at dst + qd * kPanel * 4.
+  static void pack_group(const uint8_t* q, uint8_t* dst) {
+    __m256i r[kTileRows];
+    for (int i = 0; i < kTileRows; ++i) {
+      if (!q) {
+        r[i] = _mm256_set1_epi8(static_cast<char>(panel_byte(0)));
+      } else if constexpr (I::kInt4) {   // byte j: element j (low nibble) and j + 16 (high)
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * 16)), lo4 = _mm_set1_epi8(0x0F);
+        r[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), _mm_and_si128(b, lo4));
+      } else {
+        r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * 32));
+        if constexpr (kVnni) r[i] = _mm256_xor_si256(r[i], _mm256_set1_epi8(static_cast<char>(0x80)));
+      }
+    }
+    // 128-bit lane h of the results: quads (a, a + 4) of rows 0-3, a = 0..3
+    const __m256i lo01 = _mm256_unpacklo_epi32(r[0], r[1]), hi01 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i lo23 = _mm256_unpacklo_epi32(r[2], r[3]), hi23 = _mm256_unpackhi_epi32(r[2], r[3]);
+    const __m256i quads[4] = {_mm256_unpacklo_epi64(lo01, lo23), _mm256_unpackhi_epi64(lo01, lo23),
+                              _mm256_unpacklo_epi64(hi01, hi23), _mm256_unpackhi_epi64(hi01, hi23)};
+    for (int a = 0; a < 4; ++a) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + a * kPanel * 4), _mm256_castsi256_si128(quads[a]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (a + 4) * kPanel * 4), _mm256_extracti128_si256(quads[a], 1));
+    }
+  }
+
+  template <int MR>
+  void rows(const uint8_t* panel, const int8_t* x, int64_t ld, int64_t rows, float* out, int64_t n, int64_t n0) const {
+    const int64_t gs = group_size(mins);
+    RawVec acc0[MR], acc1[MR];
+    UNROLL
+    for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = Vec(0.f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* pg = panel + g * gs;
+      const uint8_t* ints = pg + 4 * kPanel * (mins ? 2 : 1);
+      IVec dot0[MR], dot1[MR];
+      UNROLL
+      for (int r = 0; r < MR; ++r) dot0[r] = dot1[r] = IVec{};
+      UNROLL
+      for (int qd = 0; qd < G / 4; ++qd) {
+        const IVec w0 = iload(ints + qd * kPanel * 4), w1 = iload(ints + qd * kPanel * 4 + sizeof(IVec));
+        const IVec a0 = kSignTrick ? iabs8(w0) : w0, a1 = kSignTrick ? iabs8(w1) : w1;
+        UNROLL
+        for (int r = 0; r < MR; ++r) {
+          const IVec xb = bcast_quad(x + r * ld + g * G + 4 * qd);
+          dot0[r] = quad_dot<I>(dot0[r], w0, a0, xb);
+          dot1[r] = quad_dot<I>(dot1[r], w1, a1, xb);
+        }
+      }
+      const Vec s0 = Vec::loadu(pg), s1 = Vec::loadu(pg + 4 * VL);
+      UNROLL
+      for (int r = 0; r < MR; ++r) {
+        const float* d = reinterpret_cast<const float*>(x + r * ld + k);
+        const Vec dx(d[g * G / 32]);
+        Vec f0 = at::vec::fmadd(to_float(group_dot<I>(dot0[r], x + r * ld, k, groups, g)), s0 * dx, Vec(acc0[r]));
+        Vec f1 = at::vec::fmadd(to_float(group_dot<I>(dot1[r], x + r * ld, k, groups, g)), s1 * dx, Vec(acc1[r]));
+        if (mins) {
+          const Vec sum(d[k / 32 + g]);
+          f0 = at::vec::fmadd(Vec::loadu(pg + 4 * kPanel), sum, f0);
+          f1 = at::vec::fmadd(Vec::loadu(pg + 4 * kPanel + 4 * VL), sum, f1);
+        }
+        acc0[r] = f0;
+        acc1[r] = f1;
+      }
+    }
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
+    UNROLL
+    for (int r = 0; r < MR; ++r) {
+      if (r < rows) {
+        Vec(acc0[r]).store(out + r * n + n0, std::min(VL, cols));
+        if (cols > VL) Vec(acc1[r]).store(out + r * n + n0 + VL, cols - VL);
+      }
+    }
+  }
+};
+#endif
+
+
 #if defined(__AVX512BF16__)
 // Words p of 16 rows, r[i] = words 0-15 of row i, into r[p] = word p of rows 0-15.
 inline void transpose16(__m512i (&r)[16]) {
@@ -1174,9 +1392,34 @@ const float* as_float(const at::Tensor& x, std::vector<float>& buf) {
   return buf.data();
 }
 
+#if defined(KAITEN_INT8_ACTIVATIONS)
+// Rows of x up to which int8 activations take int8_block, from there the int8 panel GEMM. 2-core
+// Zen 3 EPYC (AVX2), 2 threads, gate_up 3072x576 and down 576x1536, GMAC/s block / panel: Q4_1
+// 4 rows 72 / 36 and 51 / 37, 8 rows 77 / 50 and 44 / 49, 16 rows 74 / 67 and 48 / 82; Q8_0 4 rows
+// 44 / 39 and 30 / 29, 8 rows 39 / 52 and 36 / 44, 16 rows 43 / 63 and 37 / 66. AVX-512 (not
+// measured against the panel yet): 16, the rows int8_block served alone before it.
+constexpr int64_t kInt8BlockRows = kIntLanes == 16 ? 16 : 8;
+
+template <typename I>
+at::Tensor int8_gemm(const Tiles& w, const at::Tensor& x) {
+  const int64_t m = x.size(0);
+  std::vector<float> buf;
+  const std::vector<int8_t> rec = x_records<I>(w, as_float(x, buf), m);
+  at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
+  panel_gemm<Int8Panel<I>, I>(w, rec.data(), m, x_record_bytes(w), out.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+#endif
+
 template <typename I>
 at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int64_t int8_rows) {
   const int64_t m = x.size(0);
+#if defined(KAITEN_INT8_ACTIVATIONS)
+  const bool int8 = m <= int8_rows && w.k % 32 == 0;
+  if (int8 && m > kInt8BlockRows) return int8_gemm<I>(w, x);
+#else
+  constexpr bool int8 = false;
+#endif
   if (m >= min_dense_rows) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     // with AMX, its tile kernel up to kAmxMaxRows, then the AMX panel GEMM
@@ -1194,11 +1437,6 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
     return fp32_gemm<I>(w, x);
   }
   at::Tensor out = at::empty({m, w.n}, x.options());
-#if defined(KAITEN_INT8_ACTIVATIONS)
-  const bool int8 = m <= int8_rows && w.k % 32 == 0;
-#else
-  constexpr bool int8 = false;
-#endif
 #if defined(__AVX512BF16__)
   if (!int8 && x.scalar_type() == at::kBFloat16 && m > I::kVecs && w.k % 32 == 0) {
     const at::Tensor xb = x.contiguous();
