@@ -1,8 +1,8 @@
 """Linear and embedding layers on GGUF-quantized weights kept as stored (shared/gguf_quant.py).
 
 QuantLinear multiplies with kaiten_cpu::quant_linear from the C++ extension (kernels/csrc/
-quant_linear_cpu.cpp), which, by the number of rows, multiplies int8-rounded activations by the
-stored integers, dequantizes in registers, or dequantizes chunks for a dense GEMM;
+quant_linear_cpu.cpp), which, by the number of rows and x's dtype, multiplies int8-rounded
+activations by the stored integers, dequantizes in registers, or runs a panel GEMM;
 QuantEmbedding dequantizes only the rows it looks up. A tied output layer is a QuantLinear on the
 embedding's own buffers, so the largest matrix stays quantized and stored once.
 """
