@@ -1,5 +1,6 @@
 """Weight-only quantized projections on SmolLM2-135M's shapes: kaiten_cpu::quant_linear (its
-methods: registers with x exact, int8 activations where the build has them, the dense method: its
+methods: registers with x exact, int8 activations where the build has them (a row at a time
+against each tile up to 8 rows, 16 on AVX-512, then the int8 panel GEMM), the dense method: its
 own bf16 GEMM for bf16 x on AVX512-BF16 without AMX, else dequantized chunks into at::mm) against
 the dense PackedLinear (oneDNN) in the same dtype and PyTorch's own
 aten._weight_int4pack_mm_for_cpu / aten._weight_int8pack_mm (bf16 x).
