@@ -56,6 +56,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 #if defined(__AMX_TILE__)
@@ -571,22 +572,35 @@ inline __m128 load4(const uint8_t* p, int bytes, int64_t g) {
   return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + g * kTileRows * 2)));
 }
 
+// `blocks` blocks of 32 floats of x rounded to int8 into q (per block: scale amax / 127, nearest
+// even), their scales into d.
+inline void round_blocks(const float* x, int64_t blocks, int8_t* q, float* d) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float amax = block_amax(x + b * 32);
+    d[b] = amax / 127.f;
+    round_block(x + b * 32, amax > 0.f ? 127.f / amax : 0.f, q + b * 32);
+  }
+}
+
+// The rounded x's sums over `count` groups of G (the mins' factor): each group's integers summed,
+// times its block's scale.
+template <int G>
+inline void scaled_group_sums(const int8_t* q, const float* d, int64_t count, float* sums) {
+  for (int64_t i = 0; i < count; ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < G; ++j) sum += q[i * G + j];
+    sums[i] = static_cast<float>(sum) * d[i * G / 32];
+  }
+}
+
 template <typename I>
 Int8Rows quantize_rows(const Tiles& w, const float* x, int64_t m) {
   constexpr int G = I::kGroup;
   constexpr bool kCorr = !I::kInt4 && kVnni;
   Int8Rows r{w.k, w.groups, std::vector<int8_t>(m * w.k), std::vector<float>(m * w.k / 32),
              std::vector<float>(w.has_mins ? m * w.groups : 0), std::vector<int32_t>(kCorr ? m * w.groups * kIntLanes : 0)};
-  for (int64_t b = 0; b < m * w.k / 32; ++b) {
-    const float amax = block_amax(x + b * 32);
-    r.d[b] = amax / 127.f;
-    round_block(x + b * 32, amax > 0.f ? 127.f / amax : 0.f, r.q.data() + b * 32);
-  }
-  for (int64_t i = 0; i < static_cast<int64_t>(r.sums.size()); ++i) {
-    int32_t sum = 0;
-    for (int j = 0; j < G; ++j) sum += r.q[i * G + j];
-    r.sums[i] = static_cast<float>(sum) * r.d[i * G / 32];
-  }
+  round_blocks(x, m * w.k / 32, r.q.data(), r.d.data());
+  scaled_group_sums<G>(r.q.data(), r.d.data(), static_cast<int64_t>(r.sums.size()), r.sums.data());
 #if defined(__AVX512VNNI__)
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
   for (int64_t i = 0; i < static_cast<int64_t>(r.corr.size()) / kIntLanes; ++i) {
@@ -827,9 +841,10 @@ at::Tensor fp32_gemm(const Tiles& w, const at::Tensor& x) {
 #if defined(KAITEN_INT8_ACTIVATIONS)
 // The int8 panel GEMM: int8 activations for more rows than int8_block serves well. x's rows are
 // rounded as quantize_rows rounds them, each into a record of x_record_bytes(): its k integers,
-// then per block of 32 its scale (fp32), per weight group the rounded x's sum (fp32: the mins'
-// factor) and, for int8 weights with VNNI, 128 times its integers' sum (int32: what w + 128
-// adds). Zero records are zero rows, so panel_gemm's padded tail needs nothing more. A panel is
+// then per block of 32 its scale (fp32), per weight group the rounded x's sum (fp32, where the
+// weight has mins: their factor) and, for int8 weights with VNNI, 128 times its integers' sum
+// (int32: what w + 128 adds). Zero records are zero rows, so panel_gemm's padded tail needs
+// nothing more. A panel is
 // 2 x kIntLanes weight rows, per group their scales and mins (fp32), then the group's integers
 // by quads of inputs, [G / 4][kPanel][4] bytes, so one vector holds 4 inputs of kIntLanes weight
 // rows and meets 4 bytes of a row of x broadcast to every lane: int4 as bytes 0-15 (vpmaddubsw
@@ -847,17 +862,11 @@ std::vector<int8_t> x_records(const Tiles& w, const float* x, int64_t m) {
     int8_t* q = rec.data() + r * ld;
     float* d = reinterpret_cast<float*>(q + w.k);
     float* sums = d + w.k / 32;
-    int32_t* corr = reinterpret_cast<int32_t*>(sums + w.groups);
-    for (int64_t b = 0; b < w.k / 32; ++b) {
-      const float amax = block_amax(x + r * w.k + b * 32);
-      d[b] = amax / 127.f;
-      round_block(x + r * w.k + b * 32, amax > 0.f ? 127.f / amax : 0.f, q + b * 32);
-    }
-    for (int64_t g = 0; g < w.groups; ++g) {
-      int32_t sum = 0;
-      for (int j = 0; j < G; ++j) sum += q[g * G + j];
-      sums[g] = static_cast<float>(sum) * d[g * G / 32];
-      corr[g] = 128 * sum;
+    round_blocks(x + r * w.k, w.k / 32, q, d);
+    if (w.has_mins) scaled_group_sums<G>(q, d, w.groups, sums);
+    if constexpr (kVnni && !I::kInt4) {
+      int32_t* corr = reinterpret_cast<int32_t*>(sums + w.groups);
+      for (int64_t g = 0; g < w.groups; ++g) corr[g] = 128 * std::accumulate(q + g * G, q + (g + 1) * G, 0);
     }
   }
   return rec;
@@ -873,7 +882,6 @@ inline IVec bcast_quad(const int8_t* p) {
   return _mm256_set1_epi32(v);
 #endif
 }
-
 
 inline IVec iabs8(IVec v) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -1037,7 +1045,6 @@ struct Int8Panel {
   }
 };
 #endif
-
 
 #if defined(__AVX512BF16__)
 // Words p of 16 rows, r[i] = words 0-15 of row i, into r[p] = word p of rows 0-15.
