@@ -56,7 +56,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 #if defined(__AMX_TILE__)
@@ -841,34 +840,39 @@ at::Tensor fp32_gemm(const Tiles& w, const at::Tensor& x) {
 #if defined(KAITEN_INT8_ACTIVATIONS)
 // The int8 panel GEMM: int8 activations for more rows than int8_block serves well. x's rows are
 // rounded as quantize_rows rounds them, each into a record of x_record_bytes(): its k integers,
-// then per block of 32 its scale (fp32), per weight group the rounded x's sum (fp32, where the
-// weight has mins: their factor) and, for int8 weights with VNNI, 128 times its integers' sum
-// (int32: what w + 128 adds). Zero records are zero rows, so panel_gemm's padded tail needs
+// then per block of 32 its scale (fp32) and per weight group the rounded x's sum (fp32, where
+// the panel has mins: their factor). Zero records are zero rows, so panel_gemm's padded tail needs
 // nothing more. A panel is
 // 2 x kIntLanes weight rows, per group their scales and mins (fp32), then the group's integers
 // by quads of inputs, [G / 4][kPanel][4] bytes, so one vector holds 4 inputs of kIntLanes weight
 // rows and meets 4 bytes of a row of x broadcast to every lane: int4 as bytes 0-15 (vpmaddubsw
 // pairs summed in int16 over a group: 8 x 2 x 15 x 127 fits; with VNNI vpdpbusd), int8 signed
-// (|w| against x times w's sign, vpmaddwd each quad; with VNNI as w + 128). Per group each
-// row's int32 dots are scaled into fp32 accumulators, as in int8_block.
-inline int64_t x_record_bytes(const Tiles& w) { return (w.k + 4 * (w.k / 32) + 8 * w.groups + 63) / 64 * 64; }
+// (|w| against x times w's sign, vpmaddwd each quad; with VNNI as w + 128, and the panel's mins
+// less 128 times the scales take back what that adds, in fp32 with the weight's own mins: an
+// int32 correction per row and group before the scaling made GCC spill the 24 accumulators, half
+// the speed on a Zen 4). Per group each row's int32 dots are scaled into fp32 accumulators, as in
+// int8_block, and the output is written in x's dtype.
+inline int64_t x_record_bytes(const Tiles& w) { return (w.k + 4 * (w.k / 32) + 4 * w.groups + 63) / 64 * 64; }
+
+// Whether the int8 panel holds mins: the weight's, or the VNNI bias of int8 weights (w + 128).
+template <typename I>
+constexpr bool panel_biased() { return kVnni && !I::kInt4; }
+template <typename I>
+bool panel_mins(const Tiles& w) { return w.has_mins || panel_biased<I>(); }
 
 template <typename I>
 std::vector<int8_t> x_records(const Tiles& w, const float* x, int64_t m) {
   constexpr int G = I::kGroup;
   const int64_t ld = x_record_bytes(w);
   std::vector<int8_t> rec(m * ld);
-  for (int64_t r = 0; r < m; ++r) {
-    int8_t* q = rec.data() + r * ld;
-    float* d = reinterpret_cast<float*>(q + w.k);
-    float* sums = d + w.k / 32;
-    round_blocks(x + r * w.k, w.k / 32, q, d);
-    if (w.has_mins) scaled_group_sums<G>(q, d, w.groups, sums);
-    if constexpr (kVnni && !I::kInt4) {
-      int32_t* corr = reinterpret_cast<int32_t*>(sums + w.groups);
-      for (int64_t g = 0; g < w.groups; ++g) corr[g] = 128 * std::accumulate(q + g * G, q + (g + 1) * G, 0);
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / w.k), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* q = rec.data() + r * ld;
+      float* d = reinterpret_cast<float*>(q + w.k);
+      round_blocks(x + r * w.k, w.k / 32, q, d);
+      if (panel_mins<I>(w)) scaled_group_sums<G>(q, d, w.groups, d + w.k / 32);
     }
-  }
+  });
   return rec;
 }
 
@@ -907,13 +911,11 @@ inline IVec quad_dot(IVec acc, IVec w, IVec a, IVec xb) {
 #endif
 }
 
-// A group's int32 dots from quad_dot's sums; rec: the row's x record.
+// A group's int32 dots from quad_dot's sums.
 template <typename I>
-inline IVec group_dot(IVec dot, const int8_t* rec, int64_t k, int64_t groups, int64_t g) {
+inline IVec group_dot(IVec dot) {
 #if defined(__AVX512VNNI__)
-  if constexpr (I::kInt4) return dot;
-  const int32_t* corr = reinterpret_cast<const int32_t*>(rec + k + 4 * (k / 32) + 4 * groups);
-  return _mm512_sub_epi32(dot, _mm512_set1_epi32(corr[g]));
+  return dot;
 #elif defined(CPU_CAPABILITY_AVX512)
   return I::kInt4 ? _mm512_madd_epi16(dot, _mm512_set1_epi16(1)) : dot;
 #else
@@ -921,10 +923,22 @@ inline IVec group_dot(IVec dot, const int8_t* rec, int64_t k, int64_t groups, in
 #endif
 }
 
-template <typename I>
+// count (<= VL) floats of v into dst, rounded to nearest even where O is narrower.
+template <typename O>
+inline void store_as(const Vec& v, O* dst, int64_t count) {
+  if constexpr (std::is_same_v<O, float>) {
+    v.store(dst, static_cast<int>(count));
+  } else {
+    float f[VL];
+    v.store(f);
+    at::vec::convert(f, dst, count);
+  }
+}
+
+template <typename I, typename O>
 struct Int8Panel {
   using X = int8_t;
-  using Out = float;
+  using Out = O;
   using P = uint8_t;
   static constexpr int G = I::kGroup;
   static constexpr bool kSignTrick = !I::kInt4 && !kVnni;   // int8 weights without VNNI
@@ -936,13 +950,14 @@ struct Int8Panel {
   bool mins;
   std::vector<float> sbuf;
 
-  explicit Int8Panel(const Tiles& w) : k(w.k), groups(w.groups), mins(w.has_mins), sbuf(2 * w.scale_count()) {}
+  explicit Int8Panel(const Tiles& w) : k(w.k), groups(w.groups), mins(panel_mins<I>(w)), sbuf(2 * w.scale_count()) {}
   static int64_t group_size(bool has_mins) { return 4 * kPanel * (has_mins ? 2 : 1) + G * kPanel; }
-  static int64_t panel_size(const Tiles& w) { return w.groups * group_size(w.has_mins); }
+  static int64_t panel_size(const Tiles& w) { return w.groups * group_size(panel_mins<I>(w)); }
 
   template <typename>
   void pack(const Tiles& w, int64_t t0, uint8_t* panel) {
-    const int64_t gs = group_size(w.has_mins);
+    const bool pmins = panel_mins<I>(w);
+    const int64_t gs = group_size(pmins);
     for (int tt = 0; tt < kPanel / kTileRows; ++tt) {
       const bool real = t0 + tt < w.tiles;
       const uint8_t* tile = real ? w.tile(t0 + tt) : nullptr;
@@ -950,10 +965,13 @@ struct Int8Panel {
       for (int64_t g = 0; g < w.groups; ++g) {
         float* sc = reinterpret_cast<float*>(panel + g * gs);
         for (int i = 0; i < kTileRows; ++i) {
-          sc[tt * kTileRows + i] = real ? s.scales[g * kTileRows + i] : 0.f;
-          if (w.has_mins) sc[kPanel + tt * kTileRows + i] = real ? s.mins[g * kTileRows + i] : 0.f;
+          const float scale = real ? s.scales[g * kTileRows + i] : 0.f;
+          sc[tt * kTileRows + i] = scale;
+          if (pmins)
+            sc[kPanel + tt * kTileRows + i] = (real && w.has_mins ? s.mins[g * kTileRows + i] : 0.f) -
+                                              (panel_biased<I>() ? 128.f * scale : 0.f);
         }
-        uint8_t* ints = panel + g * gs + 4 * kPanel * (w.has_mins ? 2 : 1) + tt * kTileRows * 4;
+        uint8_t* ints = panel + g * gs + 4 * kPanel * (pmins ? 2 : 1) + tt * kTileRows * 4;
         const uint8_t* q = real ? w.ints(tile) + g * kTileRows * I::kBytes : nullptr;
         if constexpr (G == 32)
           pack_group(q, ints);
@@ -996,7 +1014,7 @@ struct Int8Panel {
   }
 
   template <int MR>
-  void rows(const uint8_t* panel, const int8_t* x, int64_t ld, int64_t rows, float* out, int64_t n, int64_t n0) const {
+  void rows(const uint8_t* panel, const int8_t* x, int64_t ld, int64_t rows, O* out, int64_t n, int64_t n0) const {
     const int64_t gs = group_size(mins);
     RawVec acc0[MR], acc1[MR];
     UNROLL
@@ -1023,8 +1041,8 @@ struct Int8Panel {
       for (int r = 0; r < MR; ++r) {
         const float* d = reinterpret_cast<const float*>(x + r * ld + k);
         const Vec dx(d[g * G / 32]);
-        Vec f0 = at::vec::fmadd(to_float(group_dot<I>(dot0[r], x + r * ld, k, groups, g)), s0 * dx, Vec(acc0[r]));
-        Vec f1 = at::vec::fmadd(to_float(group_dot<I>(dot1[r], x + r * ld, k, groups, g)), s1 * dx, Vec(acc1[r]));
+        Vec f0 = at::vec::fmadd(to_float(group_dot<I>(dot0[r])), s0 * dx, Vec(acc0[r]));
+        Vec f1 = at::vec::fmadd(to_float(group_dot<I>(dot1[r])), s1 * dx, Vec(acc1[r]));
         if (mins) {
           const Vec sum(d[k / 32 + g]);
           f0 = at::vec::fmadd(Vec::loadu(pg + 4 * kPanel), sum, f0);
@@ -1038,8 +1056,8 @@ struct Int8Panel {
     UNROLL
     for (int r = 0; r < MR; ++r) {
       if (r < rows) {
-        Vec(acc0[r]).store(out + r * n + n0, std::min(VL, cols));
-        if (cols > VL) Vec(acc1[r]).store(out + r * n + n0 + VL, cols - VL);
+        store_as(Vec(acc0[r]), out + r * n + n0, std::min(VL, cols));
+        if (cols > VL) store_as(Vec(acc1[r]), out + r * n + n0 + VL, cols - VL);
       }
     }
   }
@@ -1386,6 +1404,14 @@ at::Tensor amx_bf16(const Tiles& w, const at::Tensor& x) {
 
 // x's values as contiguous fp32: its own data where it is that already, else widened into buf
 // (a plain loop: a decode step's few rows are not worth a TensorIterator).
+// f(out's data): float, at::BFloat16 or at::Half pointer by its dtype.
+template <typename F>
+void with_out(at::Tensor& out, const F& f) {
+  if (out.scalar_type() == at::kFloat) f(out.data_ptr<float>());
+  else if (out.scalar_type() == at::kBFloat16) f(out.data_ptr<at::BFloat16>());
+  else f(out.data_ptr<at::Half>());
+}
+
 const float* as_float(const at::Tensor& x, std::vector<float>& buf) {
   if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
   const at::Tensor xc = x.contiguous();
@@ -1403,8 +1429,10 @@ const float* as_float(const at::Tensor& x, std::vector<float>& buf) {
 // Rows of x up to which int8 activations take int8_block, from there the int8 panel GEMM. 2-core
 // Zen 3 EPYC (AVX2), 2 threads, gate_up 3072x576 and down 576x1536, GMAC/s block / panel: Q4_1
 // 4 rows 72 / 36 and 51 / 37, 8 rows 77 / 50 and 44 / 49, 16 rows 74 / 67 and 48 / 82; Q8_0 4 rows
-// 44 / 39 and 30 / 29, 8 rows 39 / 52 and 36 / 44, 16 rows 43 / 63 and 37 / 66. AVX-512 (not
-// measured against the panel yet): 16, the rows int8_block served alone before it.
+// 44 / 39 and 30 / 29, 8 rows 39 / 52 and 36 / 44, 16 rows 43 / 63 and 37 / 66. AVX-512: 16, the
+// rows int8_block served alone before it; on a 2-core Zen 4 (VNNI, bf16 x, 2 threads, the four
+// projection shapes, noisy runs) the panel at 8-16 rows ran at 0.7-1.9x the block's rate by shape and
+// format, not measured in an engine.
 constexpr int64_t kInt8BlockRows = kIntLanes == 16 ? 16 : 8;
 
 template <typename I>
@@ -1412,9 +1440,11 @@ at::Tensor int8_gemm(const Tiles& w, const at::Tensor& x) {
   const int64_t m = x.size(0);
   std::vector<float> buf;
   const std::vector<int8_t> rec = x_records<I>(w, as_float(x, buf), m);
-  at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
-  panel_gemm<Int8Panel<I>, I>(w, rec.data(), m, x_record_bytes(w), out.data_ptr<float>());
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  at::Tensor out = at::empty({m, w.n}, x.options());
+  with_out(out, [&](auto* o) {
+    panel_gemm<Int8Panel<I, std::remove_pointer_t<decltype(o)>>, I>(w, rec.data(), m, x_record_bytes(w), o);
+  });
+  return out;
 }
 #endif
 
@@ -1453,15 +1483,12 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
 #endif
   std::vector<float> buf;
   const float* xf = as_float(x, buf);
-  const auto into = [&](auto* o) {
+  with_out(out, [&](auto* o) {
 #if defined(KAITEN_INT8_ACTIVATIONS)
     if (int8) return int8_activations<I>(w, xf, m, o);
 #endif
     registers<I>(w, xf, m, o);
-  };
-  if (x.scalar_type() == at::kFloat) into(out.data_ptr<float>());
-  else if (x.scalar_type() == at::kBFloat16) into(out.data_ptr<at::BFloat16>());
-  else into(out.data_ptr<at::Half>());
+  });
   return out;
 }
 
