@@ -47,8 +47,15 @@ MIN_DENSE_ROWS = {torch.bfloat16: 12 if torch.cpu._is_amx_tile_supported() else 
 # 0.87x and 0.94x at 1 row, 0.55x and 0.63x at 4, 0.78x and 0.75x at 16. The same Xeon, fp32 x
 # against the fp32 registers, gate_up and down (bench/quant_linear.py --rows 1,4,16): the AVX2
 # build Q4_1 0.63-0.78x at 1 to 16 rows, Q8_0 0.88x at one row, 0.95-1.09x at 4 and 16; the
-# AVX-512 build without VNNI Q4_1 0.69-0.84x, Q8_0 0.92-1.0x.
-INT8_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16, torch.float16: 16}
+# AVX-512 build without VNNI Q4_1 0.69-0.84x, Q8_0 0.92-1.0x. 2-core Zen 4 (AVX512-VNNI, BF16),
+# bench/int8_rows.py, against exact activations (none): fp32 x, every row, Q4_1 and Q8_0 files:
+# a 32-row step 0.62x and 0.63x, a prompt token 0.51x and 0.46x, 8 and 16 rows 0.73-0.88x; bf16 x,
+# up to 16 rows, Q4_1 and Q8_0: 1 row 0.87x and 1.05x, 4 rows 0.94x and 0.99x, 8 rows 0.93-1.05x
+# and 1.10-1.11x, 16 rows 1.00-1.10x and 1.21x; up to 4 rows 0.90x and 1.02x at one row; every row
+# (the int8 panel past 16) no faster: a 32-row step 1.04x, a prompt token 1.10x. So bf16 x takes
+# them up to 4 rows without AMX (the Zen 4's bf16 dot products win past that), 16 with it (the Xeon).
+INT8_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16 if torch.cpu._is_amx_tile_supported() else 4,
+             torch.float16: 16}
 
 
 class QuantLinear(nn.Module):
