@@ -613,7 +613,8 @@ def test_admission_control(own_redis, tiny_model_dir):
         eng = FakeEngine(own_redis.url, engine_id="fake-busy", model=tiny_model_dir.name, hb={"num_waiting": 50})
         eng.start()
         try:
-            wait_until(lambda: srv.gw.monitor.live_engines(), 5)
+            # the model's view, not live_engines(): a poll publishes its views after the engine table
+            wait_until(lambda: srv.gw.monitor.view(tiny_model_dir.name).live, 5)
             resp = c.post("/v1/completions", json=body)
             assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1, resp.text
             assert resp.json()["error"]["type"] == "rate_limit_error"
@@ -630,7 +631,7 @@ def test_admission_control(own_redis, tiny_model_dir):
         idle.heartbeat()
         for i in range(12):
             r.xadd(names.request_stream(tiny_model_dir.name), {names.PAYLOAD_FIELD: b"backlog"})
-        wait_until(lambda: srv.gw.monitor.backlog.lag >= 12 and srv.gw.monitor.live_engines(), 5)
+        wait_until(lambda: srv.gw.monitor.backlog.lag >= 12 and srv.gw.monitor.view(tiny_model_dir.name).live, 5)
         resp = c.post("/v1/completions", json=body)
         assert resp.status_code == 429, resp.text
     finally:
