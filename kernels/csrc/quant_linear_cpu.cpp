@@ -956,8 +956,7 @@ struct Int8Panel {
 
   template <typename>
   void pack(const Tiles& w, int64_t t0, uint8_t* panel) {
-    const bool pmins = panel_mins<I>(w);
-    const int64_t gs = group_size(pmins);
+    const int64_t gs = group_size(mins);
     for (int tt = 0; tt < kPanel / kTileRows; ++tt) {
       const bool real = t0 + tt < w.tiles;
       const uint8_t* tile = real ? w.tile(t0 + tt) : nullptr;
@@ -967,11 +966,11 @@ struct Int8Panel {
         for (int i = 0; i < kTileRows; ++i) {
           const float scale = real ? s.scales[g * kTileRows + i] : 0.f;
           sc[tt * kTileRows + i] = scale;
-          if (pmins)
+          if (mins)
             sc[kPanel + tt * kTileRows + i] = (real && w.has_mins ? s.mins[g * kTileRows + i] : 0.f) -
                                               (panel_biased<I>() ? 128.f * scale : 0.f);
         }
-        uint8_t* ints = panel + g * gs + 4 * kPanel * (pmins ? 2 : 1) + tt * kTileRows * 4;
+        uint8_t* ints = panel + g * gs + 4 * kPanel * (mins ? 2 : 1) + tt * kTileRows * 4;
         const uint8_t* q = real ? w.ints(tile) + g * kTileRows * I::kBytes : nullptr;
         if constexpr (G == 32)
           pack_group(q, ints);
@@ -1402,8 +1401,6 @@ at::Tensor amx_bf16(const Tiles& w, const at::Tensor& x) {
 }
 #endif
 
-// x's values as contiguous fp32: its own data where it is that already, else widened into buf
-// (a plain loop: a decode step's few rows are not worth a TensorIterator).
 // f(out's data): float, at::BFloat16 or at::Half pointer by its dtype.
 template <typename F>
 void with_out(at::Tensor& out, const F& f) {
@@ -1412,6 +1409,8 @@ void with_out(at::Tensor& out, const F& f) {
   else f(out.data_ptr<at::Half>());
 }
 
+// x's values as contiguous fp32: its own data where it is that already, else widened into buf
+// (a plain loop: a decode step's few rows are not worth a TensorIterator).
 const float* as_float(const at::Tensor& x, std::vector<float>& buf) {
   if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
   const at::Tensor xc = x.contiguous();
