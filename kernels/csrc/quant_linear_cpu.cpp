@@ -911,6 +911,11 @@ inline IVec quad_dot(IVec acc, IVec w, IVec a, IVec xb) {
 #endif
 }
 
+// Holds acc in a register as it is: GCC otherwise reassociates a group's quad_dot sums (integer
+// adds) into a tree whose partial sums outgrow AVX2's 16 registers and spill (Zen 3, one thread,
+// 256 rows: Q4_1 74-77 GMAC/s with the tree, 83-86 without; Q8_0 47-56, then 56-58).
+inline void in_order(IVec& acc) { __asm__("" : "+v"(acc)); }
+
 // A group's int32 dots from quad_dot's sums.
 template <typename I>
 inline IVec group_dot(IVec dot) {
@@ -1033,6 +1038,8 @@ struct Int8Panel {
           const IVec xb = bcast_quad(x + r * ld + g * G + 4 * qd);
           dot0[r] = quad_dot<I>(dot0[r], w0, a0, xb);
           dot1[r] = quad_dot<I>(dot1[r], w1, a1, xb);
+          in_order(dot0[r]);
+          in_order(dot1[r]);
         }
       }
       const Vec s0 = Vec::loadu(pg), s1 = Vec::loadu(pg + 4 * VL);
