@@ -1,7 +1,7 @@
 """Where one stream's served TPOT goes: the engine's own step, measured while it serves and alone.
 
-For each GGUF file: `kaiten serve` on it, the stock `vllm bench serve` client at concurrency 1
-(--prompts random 256-token prompts, 128 output tokens, ignore_eos, greedy) for --rounds runs,
+For each GGUF file: `kaiten serve` on it, the stock `vllm bench serve` client at --concurrency
+(default 1; --prompts random 256-token prompts, 128 output tokens, ignore_eos, greedy) for --rounds runs,
 the engine's step and Redis-round histograms (kaiten:engine_step_duration_seconds,
 kaiten:engine_redis_round_seconds, from its /metrics) read before and after each run; then, with
 the server stopped, the same engine's decode step in one process (bench/quant_decode.py's
@@ -11,6 +11,7 @@ switches from /proc (bench/proc_cpu.py): what the gateway, Redis and the engine'
 spend a token, and how often the engine's threads are preempted.
 
     .venv/bin/python bench/serve_step.py [--files q4_1,q8_0] [--rounds 2] [--prompts 8]
+    .venv/bin/python bench/serve_step.py --files q8_0 --concurrency 32 --prompts 64 --out bench/results/serve_step_c32
 
 Writes bench/results/serve_step.{md,json}.
 """
@@ -59,13 +60,14 @@ def served(gguf: str, tokenizer: str, args) -> list[dict]:
     try:
         for rnd in range(args.rounds):
             before, cpu_before = scrape(metrics_url), proc_cpu.snapshot(srv.proc.pid)
-            res = bench_client(str(args.peer), srv.url, Path(tokenizer).name, tokenizer, 1, args.prompts, args,
-                               seed=100 + rnd)
+            res = bench_client(str(args.peer), srv.url, Path(tokenizer).name, tokenizer, args.concurrency,
+                               args.prompts, args, seed=100 + rnd)
             after, cpu_after = scrape(metrics_url), proc_cpu.snapshot(srv.proc.pid)
             mean = {k: (after[k][0] - before[k][0]) / max(1.0, after[k][1] - before[k][1]) * 1e3 for k in HISTOGRAMS}
             tokens = args.prompts * args.output_len
             cpu = proc_cpu.by_role(proc_cpu.difference(cpu_before, cpu_after))
-            runs.append({"tpot_p50_ms": res.get("median_tpot_ms"), "error": res.get("error"),
+            runs.append({"tpot_p50_ms": res.get("median_tpot_ms"), "output_tok_s": res.get("output_throughput"),
+                         "error": res.get("error"),
                          "step_mean_ms": mean[HISTOGRAMS[0]], "round_mean_ms": mean[HISTOGRAMS[1]],
                          "cpu_ms_per_token": {k: round(sec * 1e3 / tokens, 3) for k, (sec, _) in cpu.items()},
                          "preemptions_per_token": {k: round(n / tokens, 3) for k, (_, n) in cpu.items()}})
@@ -75,11 +77,11 @@ def served(gguf: str, tokenizer: str, args) -> list[dict]:
     return runs
 
 
-def alone(model_dir: str) -> float:
+def alone(model_dir: str, batch: int) -> float:
     from bench.quant_decode import decode_ms
     from engine_worker import LLM
     llm = LLM(model_dir, max_num_seqs=64, kv_cache_memory="512MiB")
-    return decode_ms({"alone": llm}, 1, 256, 7, 8)["alone"]
+    return decode_ms({"alone": llm}, batch, 256, 7, 8)["alone"]
 
 
 def cpu_table(report: dict) -> list[str]:
@@ -104,6 +106,7 @@ def main() -> None:
     ap.add_argument("--files", default="q4_1,q8_0")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--peer", default=str(DEFAULT_PEER), help="the client's script")
     ap.add_argument("--out", default=str(RESULTS / "serve_step"))
     args = ap.parse_args()
@@ -112,18 +115,23 @@ def main() -> None:
     for kind in args.files.split(","):
         gguf = gguf_path(LLAMA_PEER, kind)
         model_dir = str(ensure_converted_gguf(gguf))
-        report["files"][kind] = {"served": served(gguf, model_dir, args), "alone_step_ms": alone(model_dir)}
+        report["files"][kind] = {"served": served(gguf, model_dir, args),
+                                 "alone_step_ms": alone(model_dir, args.concurrency)}
     report["load_avg_after"] = load_avg()
-    lines = ["# One stream served: the client's TPOT against the engine's own step\n",
+    lines = [f"# Served at concurrency {args.concurrency}: the client's TPOT against the engine's own step\n",
              f"CPU: {report['cpu']} (flags: {report['flags']}). Load {report['load_avg_before']} before, "
-             f"{report['load_avg_after']} after. `kaiten serve --quantization auto`, the stock client at concurrency 1, "
+             f"{report['load_avg_after']} after. `kaiten serve --quantization auto`, the stock client at concurrency "
+             f"{args.concurrency}, "
              f"{args.prompts} prompts of 256 tokens, 128 out, {args.rounds} runs; the served step's mean includes the "
-             "prefill steps. Alone: the same model in one process, decode steps at context 256, median.\n",
-             "| file | client TPOT p50 ms (runs) | served step mean ms | Redis round mean ms | step alone ms |",
-             "|---|---|---|---|---:|"]
+             "prefill steps. Alone: the same model in one process, decode steps of as many rows as the concurrency at "
+             "context 256, median.\n",
+             "| file | client TPOT p50 ms (runs) | output tok/s (runs) | served step mean ms | Redis round mean ms "
+             "| step alone ms |",
+             "|---|---|---|---|---|---:|"]
     for kind, r in report["files"].items():
         fmt = lambda key: ", ".join(f"{run[key]:.2f}" for run in r["served"] if run[key] is not None)  # noqa: E731
-        lines.append(f"| {kind} | {fmt('tpot_p50_ms')} | {fmt('step_mean_ms')} | {fmt('round_mean_ms')} "
+        lines.append(f"| {kind} | {fmt('tpot_p50_ms')} | {fmt('output_tok_s')} | {fmt('step_mean_ms')} "
+                     f"| {fmt('round_mean_ms')} "
                      f"| {r['alone_step_ms']:.2f} |")
     lines += cpu_table(report)
     write_results(args.out, report, "\n".join(lines))
