@@ -2,7 +2,7 @@
 llama-perplexity scores it, for Kaiten served quantized (--quantization auto), the same GGUF's
 values dequantized exactly to fp32, the quantized engine in fp32 with the projections' activations
 rounded to int8 in every row (what fp32 x takes by default where the build has int8 activations;
-the output layer stays exact, as served) and with them exact, the converter's bf16 copy
+the output layer too, as served) and with them exact, the converter's bf16 copy
 (--quantization none, fp32 compute), and llama-perplexity itself
 on the same file. Also the largest logprob difference, token by token,
 between the quantized engine and the exact fp32 dequantization.

@@ -62,9 +62,9 @@ class QuantLinear(nn.Module):
     """y = x W^T, W packed (int4 or int8 with group scales and mins) in quant_linear's tiles
     (quant_tiles.py). No bias: GGUF Llama projections have none. CPU only; needs the C++ extension."""
 
-    def __init__(self, packed: PackedWeight, int8_activations: bool = True):
+    def __init__(self, packed: PackedWeight):
         super().__init__()
-        self.int8_rows = dict(INT8_ROWS) if int8_activations else {}   # as at construction: a compiled graph's constants
+        self.int8_rows = dict(INT8_ROWS)    # as at construction: a compiled graph's constants
         tiles, self.fmt = to_tiles(packed)
         self.register_buffer("tiles", torch.from_numpy(tiles))
         f = self.fmt
