@@ -77,13 +77,15 @@ def test_auto_serves_every_matrix_quantized(engines, fmt):
 
 
 def test_auto_keeps_the_kv_cache_in_fp16_and_none_in_the_models_dtype(engines, quant_gguf, activations):
-    """--kv-cache-dtype auto: fp16 for the quantized model (as llama.cpp keeps the file's KV), the
-    model's dtype for the dequantized one. Against an fp32 cache the fp16 one moves logprobs by
-    far less than the weights' quantization does."""
+    """--kv-cache-dtype auto: fp16 for the quantized fp32 model (as llama.cpp keeps the file's KV),
+    the model's dtype for the dequantized one and for a bf16 model (fp16 would save no bytes there).
+    Against an fp32 cache the fp16 one moves logprobs by far less than the weights' quantization does."""
     assert {q: llm.engine.runner.kv_caches[0][0].dtype for q, llm in engines.items()} == \
         {"auto": torch.float16, "none": torch.float32}
     if activations == "int8":
         return          # one comparison per format, with exact activations: int8 rounding would add its own flips
+    bf16 = LLM(str(quant_gguf), dtype="bfloat16", kv_cache_memory=8 * 2**20, enforce_eager=True)
+    assert bf16.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(quant_layers, "INT8_ROWS", {})
         fp32_kv = LLM(str(quant_gguf), dtype="float32", kv_cache_dtype="float32", kv_cache_memory=8 * 2**20,

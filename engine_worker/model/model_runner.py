@@ -128,13 +128,15 @@ class ModelRunner:
 
     def _kv_cache_dtype(self, quantized: bool) -> torch.dtype:
         """--kv-cache-dtype: 'auto' is fp16 where the engine serves a GGUF's quantized weights as
-        stored and the attention backend reads a cache of another dtype than the model's (as
+        stored in fp32 and the attention backend reads a cache of another dtype than the model's (as
         llama.cpp keeps the same file's KV in f16: half an fp32 cache's bytes, and decode attention
-        is bound by reading them), else the model's dtype (exact: greedy output as Hugging Face's)."""
+        is bound by reading them), else the model's dtype (exact: greedy output as Hugging Face's).
+        A 16-bit model keeps its own: fp16 would save no bytes, and a bf16 cache under bf16 queries
+        takes the kernel's bf16 dot products and, with AMX, ATen's flash attention for prefill."""
         name = self.config.kv_cache_dtype
         any_dtype = self.backend.any_kv_dtype
         if name == "auto":
-            return torch.float16 if quantized and any_dtype else self.dtype
+            return torch.float16 if quantized and any_dtype and self.dtype == torch.float32 else self.dtype
         if name not in DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {name!r}; choose auto or one of {sorted(DTYPES)}")
         dtype = DTYPES[name]
