@@ -13,7 +13,6 @@ Writes bench/results/kv_dtype.{md,json} (--out names another path).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -24,24 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.quant_decode import decode_ms, perplexity  # noqa: E402
-from bench.quant_prefill import prefill_ms_per_token  # noqa: E402
+from bench.quant_prefill import prefill_rounds  # noqa: E402
 from bench.results_files import write_results  # noqa: E402
 from engine_worker import LLM  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def prefill_medians(engines: dict[str, LLM], prompts: int, rounds: int) -> dict[str, float]:
-    rng = random.Random(0)
-    vocab = next(iter(engines.values())).engine.vocab_size
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for r in range(rounds + 1):                   # round 0 warms up
-        batch = [[rng.randrange(100, vocab) for _ in range(256)] for _ in range(prompts)]
-        for name in list(engines)[:: 1 if r % 2 else -1]:
-            ms = prefill_ms_per_token(engines[name], batch)
-            if r:
-                times[name].append(ms)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> int:
@@ -59,10 +45,12 @@ def main() -> int:
     engines = {d: LLM(model, quantization="auto", kv_cache_dtype=d, enable_prefix_caching=False, max_num_seqs=64,
                       kv_cache_memory="512MiB") for d in args.dtypes.split(",")}
     base = next(iter(engines))
+    ppl = {d: perplexity(llm) for d, llm in engines.items()}
+    prefill = prefill_rounds(engines, args.prompts, 256, args.rounds, reverse_every_other=True)
     report = {"cpu": cpu_name(), "flags": cpu_flags(), "threads": torch.get_num_threads(),
               "dtype": str(engines[base].engine.runner.dtype).removeprefix("torch."),
-              "perplexity": {d: perplexity(llm) for d, llm in engines.items()},
-              "prefill_ms_per_token": prefill_medians(engines, args.prompts, args.rounds), "decode_ms": {}}
+              "perplexity": ppl,
+              "prefill_ms_per_token": {d: statistics.median(t) for d, t in prefill.items()}, "decode_ms": {}}
     for b in (int(x) for x in args.batch.split(",")):
         for ctx in (int(x) for x in args.contexts.split(",")):
             report["decode_ms"][f"B={b} context {ctx}"] = decode_ms(engines, b, ctx, args.rounds, 8)

@@ -39,6 +39,24 @@ def prefill_ms_per_token(llm: LLM, prompts: list[list[int]]) -> float:
     return (time.perf_counter() - t0) * 1e3 / sum(len(p) for p in prompts)
 
 
+def prefill_rounds(engines: dict[str, LLM], prompts: int, length: int, rounds: int,
+                   reverse_every_other: bool = False) -> dict[str, list[float]]:
+    """Each engine's ms a prompt token in each of `rounds` rounds (after an untimed warm-up round):
+    every round new random prompts, prefilled by each engine in turn (the order reversed in every
+    other round if asked)."""
+    rng = random.Random(0)
+    vocab = next(iter(engines.values())).engine.vocab_size
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(rounds + 1):                      # round 0 warms up
+        batch = [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(prompts)]
+        order = list(engines)[::-1] if reverse_every_other and r % 2 == 0 else list(engines)
+        for name in order:
+            ms = prefill_ms_per_token(engines[name], batch)
+            if r:
+                times[name].append(ms)
+    return times
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=16)
@@ -49,16 +67,8 @@ def main() -> int:
     model = str(ensure_default_model())
     engines = {name: LLM(model, quantization=q, enable_prefix_caching=False, max_num_batched_tokens=args.budget)
                for name, q in ENGINES.items()}
-    rng = random.Random(0)
-    vocab = engines["quantized (auto)"].engine.vocab_size
     load_before = load_avg()
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for r in range(args.rounds + 1):                 # round 0 warms up
-        prompts = [[rng.randrange(100, vocab) for _ in range(args.length)] for _ in range(args.prompts)]
-        for name, llm in engines.items():
-            ms = prefill_ms_per_token(llm, prompts)
-            if r:
-                times[name].append(ms)
+    times = prefill_rounds(engines, args.prompts, args.length, args.rounds)
     med = {name: statistics.median(t) for name, t in times.items()}
     ratio = med["quantized (auto)"] / med["dequantized (none)"]
     dtype = str(next(iter(engines.values())).engine.runner.dtype).removeprefix("torch.")
