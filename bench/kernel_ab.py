@@ -1,0 +1,123 @@
+"""kaiten_cpu::quant_linear of the working tree against the same kernel at another git revision,
+in one process: on a shared 2-core host the same unchanged kernel measured in two processes
+minutes apart differed by up to 1.7x (Zen 3, 2026-11-28), so a kernel change is only measured
+against its base in one process, calls interleaved.
+
+The base's kernels/csrc/quant_linear_cpu.cpp is built alone, for this machine's ISA as the
+extension is (kernels/cpu_attention.cpu_capability), with its ops registered under kaiten_ab_base
+instead of kaiten_cpu, and loaded beside the working tree's extension. Each shape is timed as
+--copies copies of random weights (gguf's own quantizer), so they stream from memory as in a step;
+the two kernels alternate, the order reversed every round, and the median of the rounds is
+reported, by default through the int8 method (int8 activations in every row, the fp32 x path).
+
+    .venv/bin/python bench/kernel_ab.py [--base HEAD] [--formats Q8_0,Q4_1] [--rows 1,8,32,256]
+        [--threads 1,2] [--method int8|registers|dense] [--rounds 15] [--out NAME]
+
+Writes bench/results/<NAME>.md (default kernel_ab).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
+from bench.quant_linear import NEVER, SHAPES, quantized  # noqa: E402
+from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
+from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+SOURCE = "kernels/csrc/quant_linear_cpu.cpp"
+BUILDS = Path.home() / ".cache" / "kaiten" / "kernel_ab"
+# (min_dense_rows, int8_rows) forcing each method
+METHODS = {"int8": (NEVER, NEVER), "registers": (NEVER, 0), "dense": (0, 0)}
+
+
+def base_op(rev: str):
+    """The quant_linear op of `rev`'s kernel source, built (once per source and flags) and loaded."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{SOURCE}"], check=True,
+                            capture_output=True, text=True).stdout
+    renamed = re.sub(r"TORCH_LIBRARY_(FRAGMENT|IMPL)\(kaiten_cpu\b", r"TORCH_LIBRARY_\1(kaiten_ab_base", source)
+    if renamed == source:
+        raise SystemExit(f"{rev}:{SOURCE} registers no kaiten_cpu ops to rename")
+    cap, cflags = cpu_capability()
+    digest = hashlib.sha1((renamed + " ".join(cflags)).encode()).hexdigest()[:12]
+    name = f"kaiten_ab_base_{cap}_{digest}"
+    build = BUILDS / name
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "quant_linear_base.cpp").write_text(renamed)
+    from torch.utils import cpp_extension
+    cpp_extension.load(name=name, sources=[str(build / "quant_linear_base.cpp")],
+                       extra_cflags=["-O3", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"],
+                       build_directory=str(build), is_python_module=False, verbose=False)
+    return torch.ops.kaiten_ab_base.quant_linear
+
+
+def interleaved(ops: dict, layers: list[QuantLinear], x: torch.Tensor, method: str, rounds: int) -> dict[str, float]:
+    """Median seconds of one pass over the layers, per op; the ops alternate, in reversed order
+    every other round."""
+    args = METHODS[method]
+    times = {name: [] for name in ops}
+    for r in range(rounds + 1):
+        order = list(ops.items()) if r % 2 else list(reversed(ops.items()))
+        for name, op in order:
+            t0 = time.perf_counter()
+            for q in layers:
+                op(x, q.tiles, *q.op_args, *args)
+            if r:                                       # round 0 warms up
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", default="HEAD", help="git revision of the base kernel")
+    ap.add_argument("--formats", default="Q8_0,Q4_1")
+    ap.add_argument("--shapes", default="qkv 960x576,gate_up 3072x576,down 576x1536",
+                    help="comma-separated keys of bench/quant_linear.py's SHAPES")
+    ap.add_argument("--rows", default="1,8,32,256")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--method", default="int8", choices=list(METHODS))
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out", default="kernel_ab")
+    args = ap.parse_args()
+    load_extension()
+    ops = {"base": base_op(args.base), "working tree": torch.ops.kaiten_cpu.quant_linear}
+    lines = [f"# quant_linear: the working tree against {args.base}, in one process\n",
+             f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), extension ISA {cpu_capability()[0]}, torch "
+             f"{torch.__version__}, load before {load_avg()}. Method: {args.method}; fp32 x; {args.copies} copies of "
+             f"each shape; median of {args.rounds} interleaved rounds. GMAC/s; ratio: working tree / base.\n",
+             "| threads | format | shape | rows | base GMAC/s | working tree GMAC/s | ratio |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for fmt in args.formats.split(","):
+            for label in args.shapes.split(","):
+                n, k, _ = SHAPES[label]
+                layers = [QuantLinear(quantized(fmt, n, k, seed)) for seed in range(args.copies)]
+                for m in (int(r) for r in args.rows.split(",")):
+                    t = interleaved(ops, layers, torch.randn(m, k), args.method, args.rounds)
+                    g = {name: args.copies * n * k * m / s / 1e9 for name, s in t.items()}
+                    row = (f"| {threads} | {fmt} | {label} | {m} | {g['base']:.1f} | {g['working tree']:.1f} | "
+                           f"{g['working tree'] / g['base']:.2f} |")
+                    lines.append(row)
+                    print(row, flush=True)
+    lines.append(f"\nLoad after: {load_avg()}.")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
