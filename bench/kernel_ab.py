@@ -3,9 +3,9 @@ in one process: on a shared 2-core host the same unchanged kernel measured in tw
 minutes apart differed by up to 1.7x (Zen 3, 2026-11-28), so a kernel change is only measured
 against its base in one process, calls interleaved.
 
-The base's kernels/csrc/quant_linear_cpu.cpp is built alone, for this machine's ISA as the
-extension is (kernels/cpu_attention.cpu_capability), with its ops registered under kaiten_ab_base
-instead of kaiten_cpu, and loaded beside the working tree's extension. Each shape is timed as
+The base's kernels/csrc/quant_linear_cpu.cpp is built alone, for this machine's ISA and with the
+extension's own flags (kernels/cpu_attention.cpu_capability, build_flags), its ops registered
+under kaiten_ab_base instead of kaiten_cpu, and loaded beside the working tree's extension. Each shape is timed as
 --copies copies of random weights (gguf's own quantizer), so they stream from memory as in a step;
 the two kernels alternate, the order reversed every round, and the median of the rounds is
 reported, by default through the int8 method (int8 activations in every row, the fp32 x path).
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.quant_linear import NEVER, SHAPES, quantized  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
-from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_attention import build_flags, cpu_capability, load_extension  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -57,8 +57,7 @@ def base_op(rev: str):
     build.mkdir(parents=True, exist_ok=True)
     (build / "quant_linear_base.cpp").write_text(renamed)
     from torch.utils import cpp_extension
-    cpp_extension.load(name=name, sources=[str(build / "quant_linear_base.cpp")],
-                       extra_cflags=["-O3", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"],
+    cpp_extension.load(name=name, sources=[str(build / "quant_linear_base.cpp")], **build_flags(cflags),
                        build_directory=str(build), is_python_module=False, verbose=False)
     return torch.ops.kaiten_ab_base.quant_linear
 

@@ -86,6 +86,12 @@ def cpu_capability() -> tuple[str, list[str]]:
     return isa, _ISA_FLAGS[isa]
 
 
+def build_flags(isa_flags: list[str]) -> dict[str, list[str]]:
+    """cpp_extension.load's compiler and linker flags for the kernels built with one ISA's flags.
+    -fopenmp: at::parallel_for is inline OpenMP code; the extension joins torch's libgomp."""
+    return {"extra_cflags": ["-O3", "-fopenmp", *isa_flags], "extra_ldflags": ["-fopenmp"]}
+
+
 def int8_activations_built() -> bool:
     """Whether the extension's build multiplies int8-rounded activations (quant_linear's int8
     method: AVX-512 and AVX2 builds; the portable one takes the exact method for those rows)."""
@@ -152,9 +158,7 @@ def load_extension():
         if not any(build_dir.glob(f"{name}*.so")):
             log.info("building the CPU attention kernel (%s) in %s ...", cap, build_dir)
         with _build_lock(build_dir):
-            # -fopenmp: at::parallel_for is inline OpenMP code; the extension joins torch's libgomp
-            module = cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES],
-                                        extra_cflags=["-O3", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"],
+            module = cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], **build_flags(cflags),
                                         build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
         _EXTENSION_CACHE["error"] = f"{type(e).__name__}: {e}"
