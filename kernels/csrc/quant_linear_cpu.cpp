@@ -487,6 +487,7 @@ struct Int8Rows {
 #if defined(CPU_CAPABILITY_AVX512)
 using IVec = __m512i;
 inline IVec iload(const void* p) { return _mm512_loadu_si512(p); }
+inline void istore(void* p, IVec v) { _mm512_storeu_si512(p, v); }
 inline IVec low_nibbles(IVec b) { return _mm512_and_si512(b, _mm512_set1_epi8(0x0F)); }
 inline IVec high_nibbles(IVec b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F)); }
 // x's bytes of a group as each weight row meets them: 16 bytes in every 128-bit lane, or 32 in both halves.
@@ -498,6 +499,7 @@ inline Vec spread4(__m128 v4, IVec lanes) { return Vec(_mm512_permutexvar_ps(lan
 #else
 using IVec = __m256i;
 inline IVec iload(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void istore(void* p, IVec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 inline IVec low_nibbles(IVec b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0F)); }
 inline IVec high_nibbles(IVec b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F)); }
 inline IVec bcast16(const int8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -847,7 +849,9 @@ at::Tensor fp32_gemm(const Tiles& w, const at::Tensor& x) {
 // by quads of inputs, [G / 4][kPanel][4] bytes, so one vector holds 4 inputs of kIntLanes weight
 // rows and meets 4 bytes of a row of x broadcast to every lane: int4 as bytes 0-15 (vpmaddubsw
 // pairs summed in int16 over a group: 8 x 2 x 15 x 127 fits; with VNNI vpdpbusd), int8 signed
-// (|w| against x times w's sign, vpmaddwd each quad; with VNNI as w + 128, and the panel's mins
+// (|w| against x times w's sign, vpmaddwd each quad, each quad's |w| stored after its w: taken
+// in the loop, 2 vpabsb a quad for 3 rows of x cost AVX2 on a Zen 4 1.01-1.08x the time at 32
+// and 256 rows, bench/results/kernel_ab_zen4_avx2_absw.md; with VNNI as w + 128, and the panel's mins
 // less 128 times the scales take back what that adds, in fp32 with the weight's own mins: an
 // int32 correction per row and group before the scaling made GCC spill the 24 accumulators, half
 // the speed on a Zen 4). Per group each row's int32 dots are scaled into fp32 accumulators, as in
@@ -951,12 +955,15 @@ struct Int8Panel {
   // rows of x a pass: two integer accumulators each, besides the two weight vectors (and their
   // magnitudes for the sign trick), in AVX2's 16 or AVX-512's 32 registers
   static constexpr int kRows = kIntLanes == 16 ? (kSignTrick ? 6 : 12) : (kSignTrick ? 3 : 6);
+  // bytes of a quad of inputs of the panel's rows: their weight bytes, then for the sign trick
+  // their magnitudes (stored, not taken in the loop, where vpabsb competes with the multiplies)
+  static constexpr int64_t kQuadBytes = 4 * kPanel * (kSignTrick ? 2 : 1);
   int64_t k, groups;
   bool mins;
   std::vector<float> sbuf;
 
   explicit Int8Panel(const Tiles& w) : k(w.k), groups(w.groups), mins(panel_mins<I>(w)), sbuf(2 * w.scale_count()) {}
-  static int64_t group_size(bool has_mins) { return 4 * kPanel * (has_mins ? 2 : 1) + G * kPanel; }
+  static int64_t group_size(bool has_mins) { return 4 * kPanel * (has_mins ? 2 : 1) + G / 4 * kQuadBytes; }
   static int64_t panel_size(const Tiles& w) { return w.groups * group_size(panel_mins<I>(w)); }
 
   template <typename>
@@ -983,16 +990,23 @@ struct Int8Panel {
           for (int qd = 0; qd < G / 4; ++qd)
             for (int i = 0; i < kTileRows; ++i)
               for (int b = 0; b < 4; ++b)
-                ints[qd * kPanel * 4 + i * 4 + b] = real ? panel_byte(q[i * I::kBytes + 4 * qd + b]) : panel_byte(0);
+                ints[qd * kQuadBytes + i * 4 + b] = real ? panel_byte(q[i * I::kBytes + 4 * qd + b]) : panel_byte(0);
       }
     }
+    if constexpr (kSignTrick)
+      for (int64_t g = 0; g < w.groups; ++g)
+        for (int qd = 0; qd < G / 4; ++qd) {
+          uint8_t* quad = panel + g * gs + 4 * kPanel * (mins ? 2 : 1) + qd * kQuadBytes;
+          for (int v = 0; v < 2; ++v)
+            istore(quad + 4 * kPanel + v * sizeof(IVec), iabs8(iload(quad + v * sizeof(IVec))));
+        }
   }
 
   // A weight byte as the panel holds it.
   static uint8_t panel_byte(uint8_t b) { return kVnni && !I::kInt4 ? b ^ 0x80 : b; }
 
   // A tile's group of 32 (4 rows' bytes, q; nullptr: zeros) into its 4 rows' quads of the panel:
-  // a 4 x 8 transpose of 32-bit quads, quad qd of the 4 rows as 16 bytes at dst + qd * kPanel * 4.
+  // a 4 x 8 transpose of 32-bit quads, quad qd of the 4 rows as 16 bytes at dst + qd * kQuadBytes.
   static void pack_group(const uint8_t* q, uint8_t* dst) {
     __m256i r[kTileRows];
     for (int i = 0; i < kTileRows; ++i) {
@@ -1012,8 +1026,8 @@ struct Int8Panel {
     const __m256i quads[4] = {_mm256_unpacklo_epi64(lo01, lo23), _mm256_unpackhi_epi64(lo01, lo23),
                               _mm256_unpacklo_epi64(hi01, hi23), _mm256_unpackhi_epi64(hi01, hi23)};
     for (int a = 0; a < 4; ++a) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + a * kPanel * 4), _mm256_castsi256_si128(quads[a]));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (a + 4) * kPanel * 4), _mm256_extracti128_si256(quads[a], 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + a * kQuadBytes), _mm256_castsi256_si128(quads[a]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (a + 4) * kQuadBytes), _mm256_extracti128_si256(quads[a], 1));
     }
   }
 
@@ -1031,8 +1045,10 @@ struct Int8Panel {
       for (int r = 0; r < MR; ++r) dot0[r] = dot1[r] = IVec{};
       UNROLL
       for (int qd = 0; qd < G / 4; ++qd) {
-        const IVec w0 = iload(ints + qd * kPanel * 4), w1 = iload(ints + qd * kPanel * 4 + sizeof(IVec));
-        const IVec a0 = kSignTrick ? iabs8(w0) : w0, a1 = kSignTrick ? iabs8(w1) : w1;
+        const uint8_t* quad = ints + qd * kQuadBytes;
+        const IVec w0 = iload(quad), w1 = iload(quad + sizeof(IVec));
+        const IVec a0 = kSignTrick ? iload(quad + 4 * kPanel) : w0;
+        const IVec a1 = kSignTrick ? iload(quad + 4 * kPanel + sizeof(IVec)) : w1;
         UNROLL
         for (int r = 0; r < MR; ++r) {
           const IVec xb = bcast_quad(x + r * ld + g * G + 4 * qd);
