@@ -13,6 +13,7 @@ import torch
 
 from kernels import cpu_attention
 from kernels.interface import AttentionMetadata
+from tests.isa_builds import assert_passes_in_isa_build
 
 
 @pytest.fixture(scope="module")
@@ -306,3 +307,13 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(backend
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (copy / "lock").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "default"])
+def test_other_isa_builds(isa):
+    """The AVX-512 (without AVX512-BF16), AVX2 and portable builds of the extension (KAITEN_CPU_ISA)
+    pass this file's kernel tests: each has its own decode path (qk_direct_block)."""
+    if isa == "avx512" and not cpu_attention.cpu_capability()[0].startswith("avx512"):
+        pytest.skip("this CPU has no AVX-512")
+    assert_passes_in_isa_build(__file__, isa)

@@ -8,7 +8,8 @@
 // copy), so each K and V row is read once per item for all R rows. Per key tile:
 //   S = Q K^T   many rows (prefill): the K tile is converted to fp32 and transposed to [D][KT],
 //               and the dot products are vector FMAs over keys; few rows (decode, R <= 4): dot
-//               products straight from the cache rows, 16 keys' sums reduced at once (AVX-512);
+//               products straight from the cache rows, 16 keys' sums reduced at once (AVX-512;
+//               AVX2: 4 keys against all rows, each key widened once, 4 sums a reduction);
 //   softmax     online: running max and sum per row in fp32, causal mask per row (query j of a
 //               sequence sits at position ctx - q_len + j and sees keys 0..that position);
 //   O += P V    vector FMAs over head_dim, O in fp32.
@@ -197,7 +198,10 @@ inline void qk_rows(const float* q, int64_t rows, int64_t dp, const float* kt, f
 
 // Few rows (a decode: the G heads of one token): dot products straight from the cache rows,
 // cheaper than converting and transposing the tile for so few rows. Needs d == dp. With AVX-512,
-// per row 16 key accumulators summed by one hsum16; elsewhere one horizontal sum per key.
+// per row 16 key accumulators summed by one hsum16; with AVX2, 4 keys at a time against all rows
+// (one horizontal sum per key and row, and the 16-bit rows widened into scratch first, had taken
+// 1.3x the time: bench/results/attention_one_stream_zen4_avx2*.md); elsewhere one horizontal sum
+// per key.
 #if defined(CPU_CAPABILITY_AVX512)
 // out[j] = the sum of a[j]'s 16 lanes, for 16 vectors: a tree of lane shuffles and adds (45
 // instructions where 16 horizontal sums take about 130).
@@ -231,6 +235,40 @@ inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, i
     _mm512_storeu_ps(s + r * KT, hsum16(acc));
   }
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// The sums of KB (4 or 2) vectors' 8 lanes each into out[0 .. KB).
+template <int KB>
+__attribute__((always_inline)) inline void hsum_keys(const __m256* a, float* out) {
+  if constexpr (KB == 4) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  } else {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t = _mm256_hadd_ps(t0, t0);
+    _mm_storel_pi(reinterpret_cast<__m64*>(out), _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+}
+
+// KB keys at a time against all NR rows: each key's 8 elements widened once (16-bit caches) for
+// every row, NR x KB accumulators, then one horizontal sum per row and KB keys. Keys past nk
+// repeat the last one (masked later).
+template <int NR, typename T>
+inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, int nk, float* s) {
+  constexpr int KB = NR == 4 ? 2 : 4;       // NR x KB accumulators in AVX2's 16 registers
+  const T* k[KT];
+  for (int j = 0; j < KT; ++j) k[j] = krows[std::min(j, nk - 1)];
+  for (int j0 = 0; j0 < nk; j0 += KB) {
+    __m256 acc[NR][KB];
+    UNROLL for (int r = 0; r < NR; ++r)
+      UNROLL for (int b = 0; b < KB; ++b) acc[r][b] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dp; c += VL) {
+      UNROLL for (int b = 0; b < KB; ++b) {
+        const __m256 kv = load_f32(k[j0 + b] + c);
+        UNROLL for (int r = 0; r < NR; ++r) acc[r][b] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * dp + c), kv, acc[r][b]);
+      }
+    }
+    UNROLL for (int r = 0; r < NR; ++r) hsum_keys<KB>(acc[r], s + r * KT + j0);
+  }
+}
 #else
 template <int NR, typename T>
 inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, int nk, float* s) {
@@ -244,6 +282,13 @@ inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, i
     UNROLL for (int r = 0; r < NR; ++r) s[r * KT + j] = hsum(acc[r]);
   }
 }
+#endif
+
+// Whether qk_direct widens 16-bit key rows itself, once for all rows (else the caller widens them).
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr bool kDirectWidens = true;
+#else
+constexpr bool kDirectWidens = false;
 #endif
 
 template <typename T>
@@ -277,7 +322,8 @@ inline void softmax_update(Scratch& w, int64_t rows) {
       mx = at::vec::maximum(mx, sv[v]);
     }
     const float m_new = std::max(w.m[r], hmax(mx));
-    const float corr = std::exp(w.m[r] - m_new);      // exp(-inf) = 0 on the first tile
+    // exp(-inf) = 0 on the first tile; no libm call where the max stands (most tiles of a decode)
+    const float corr = m_new == w.m[r] ? 1.f : std::exp(w.m[r] - m_new);
     const Vec mv(m_new), cv(corr);
     float* l = w.lsum.data() + r * KT;
     UNROLL for (int v = 0; v < KV; ++v) {
@@ -704,7 +750,7 @@ void run_item(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scr
             continue;
 #endif
         const float* qh = w.q.data() + h * head_rows * g.dp;
-        if constexpr (std::is_same_v<C, float>) {
+        if constexpr (std::is_same_v<C, float> || kDirectWidens) {
           qk_direct(qh, head_rows, g.dp, krows_c, nk, s);
         } else {           // 16-bit rows widened once, not once per query row
           const float* kf[KT];
