@@ -8,8 +8,8 @@
 // copy), so each K and V row is read once per item for all R rows. Per key tile:
 //   S = Q K^T   many rows (prefill): the K tile is converted to fp32 and transposed to [D][KT],
 //               and the dot products are vector FMAs over keys; few rows (decode, R <= 4): dot
-//               products straight from the cache rows, 16 keys' sums reduced at once (AVX-512;
-//               AVX2: 4 keys against all rows, each key widened once, 4 sums a reduction);
+//               products straight from the cache rows, 4 keys at a time against all rows
+//               (each key widened once), one reduction per row and 4 keys;
 //   softmax     online: running max and sum per row in fp32, causal mask per row (query j of a
 //               sequence sits at position ctx - q_len + j and sees keys 0..that position);
 //   O += P V    vector FMAs over head_dim, O in fp32.
@@ -197,14 +197,14 @@ inline void qk_rows(const float* q, int64_t rows, int64_t dp, const float* kt, f
 }
 
 // Few rows (a decode: the G heads of one token): dot products straight from the cache rows,
-// cheaper than converting and transposing the tile for so few rows. Needs d == dp. With AVX-512,
-// per row 16 key accumulators summed by one hsum16; with AVX2, 4 keys at a time against all rows
-// (one horizontal sum per key and row, and the 16-bit rows widened into scratch first, had taken
-// 1.3x the time: bench/results/attention_one_stream_zen4_avx2*.md); elsewhere one horizontal sum
-// per key.
+// cheaper than converting and transposing the tile for so few rows. Needs d == dp. With AVX-512
+// or AVX2, 4 keys at a time against all rows: a 32 x 384 decode step's 30 layers with an fp16
+// cache took 1.23-1.33x the time with the 16-bit rows widened into scratch first and then, per
+// row, a horizontal sum per key (AVX2) or 16 keys summed by one hsum16 (AVX-512), on a Zen 4
+// (bench/results/attention_one_stream_zen4_*.md). Elsewhere one horizontal sum per key.
 #if defined(CPU_CAPABILITY_AVX512)
 // out[j] = the sum of a[j]'s 16 lanes, for 16 vectors: a tree of lane shuffles and adds (45
-// instructions where 16 horizontal sums take about 130).
+// instructions where 16 horizontal sums take about 130). For the bf16 dot products.
 __attribute__((always_inline)) inline __m512 hsum16(const __m512* a) {
   __m512 c[8], e[4], f[2];
   for (int i = 0; i < 8; ++i)   // 256-bit halves: key 2i | key 2i+1, 8 partial sums each
@@ -220,22 +220,18 @@ __attribute__((always_inline)) inline __m512 hsum16(const __m512* a) {
   // element m of 128-bit lane k holds key 4m + k
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
 }
+#endif
 
-template <int NR, typename T>
-inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, int nk, float* s) {
-  const T* k[KT];                         // keys past nk repeat the last one (masked later)
-  for (int j = 0; j < KT; ++j) k[j] = krows[std::min(j, nk - 1)];
-  for (int r = 0; r < NR; ++r) {
-    __m512 acc[KT];
-    UNROLL for (int j = 0; j < KT; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < dp; c += VL) {
-      const __m512 qv = _mm512_loadu_ps(q + r * dp + c);
-      UNROLL for (int j = 0; j < KT; ++j) acc[j] = _mm512_fmadd_ps(qv, load_f32(k[j] + c), acc[j]);
-    }
-    _mm512_storeu_ps(s + r * KT, hsum16(acc));
-  }
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// v's lanes summed pairwise into 8 (AVX-512: its two halves added).
+__attribute__((always_inline)) inline __m256 to_m256(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+#else
+  return v;
+#endif
 }
-#elif defined(CPU_CAPABILITY_AVX2)
+
 // The sums of KB (4 or 2) vectors' 8 lanes each into out[0 .. KB).
 template <int KB>
 __attribute__((always_inline)) inline void hsum_keys(const __m256* a, float* out) {
@@ -248,25 +244,29 @@ __attribute__((always_inline)) inline void hsum_keys(const __m256* a, float* out
   }
 }
 
-// KB keys at a time against all NR rows: each key's 8 elements widened once (16-bit caches) for
+// KB keys at a time against all NR rows: each key's VL elements widened once (16-bit caches) for
 // every row, NR x KB accumulators, then one horizontal sum per row and KB keys. Keys past nk
 // repeat the last one (masked later).
 template <int NR, typename T>
 inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, int nk, float* s) {
-  constexpr int KB = NR == 4 ? 2 : 4;       // NR x KB accumulators in AVX2's 16 registers
+  constexpr int KB = NR == 4 && VL == 8 ? 2 : 4;   // NR x KB accumulators in AVX2's 16 registers
   const T* k[KT];
   for (int j = 0; j < KT; ++j) k[j] = krows[std::min(j, nk - 1)];
   for (int j0 = 0; j0 < nk; j0 += KB) {
-    __m256 acc[NR][KB];
+    Vec acc[NR][KB];
     UNROLL for (int r = 0; r < NR; ++r)
-      UNROLL for (int b = 0; b < KB; ++b) acc[r][b] = _mm256_setzero_ps();
+      UNROLL for (int b = 0; b < KB; ++b) acc[r][b] = Vec(0.f);
     for (int64_t c = 0; c < dp; c += VL) {
       UNROLL for (int b = 0; b < KB; ++b) {
-        const __m256 kv = load_f32(k[j0 + b] + c);
-        UNROLL for (int r = 0; r < NR; ++r) acc[r][b] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * dp + c), kv, acc[r][b]);
+        const Vec kv = load_f32(k[j0 + b] + c);
+        UNROLL for (int r = 0; r < NR; ++r) acc[r][b] = at::vec::fmadd(Vec::loadu(q + r * dp + c), kv, acc[r][b]);
       }
     }
-    UNROLL for (int r = 0; r < NR; ++r) hsum_keys<KB>(acc[r], s + r * KT + j0);
+    UNROLL for (int r = 0; r < NR; ++r) {
+      __m256 h[KB];
+      UNROLL for (int b = 0; b < KB; ++b) h[b] = to_m256(acc[r][b]);
+      hsum_keys<KB>(h, s + r * KT + j0);
+    }
   }
 }
 #else
@@ -285,7 +285,7 @@ inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, i
 #endif
 
 // Whether qk_direct widens 16-bit key rows itself, once for all rows (else the caller widens them).
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 constexpr bool kDirectWidens = true;
 #else
 constexpr bool kDirectWidens = false;
