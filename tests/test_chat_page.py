@@ -30,6 +30,7 @@ from tests.redis_server import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 ENGINE_ID = "chat-page-test"
+STEP_S = 0.03                      # the engine's least step time (see the stack fixture)
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -178,8 +179,11 @@ def stack(browser, tiny_model_dir, redis_server):
     ARTIFACTS.mkdir(exist_ok=True)
     engine_log = ARTIFACTS / "chat-page-engine.log"
     log_file = open(engine_log, "w")
+    # Every engine step lasts at least STEP_S (tests/slow_engine.py): the page draws a reply once
+    # per animation frame, and the tiny model's few-ms steps could fit a whole reply in one frame
+    # on a loaded machine, which the streaming test would take for no stream.
     engine = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "engine", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "tests.slow_engine", str(STEP_S), "-", "--model", str(tiny_model_dir),
          "--redis-url", redis_server.url, "--dtype", "float32", "--kv-cache-memory", "64MiB",
          "--engine-id", ENGINE_ID, "--heartbeat-interval", "0.25"],
         cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
