@@ -284,13 +284,6 @@ inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, i
 }
 #endif
 
-// Whether qk_direct widens 16-bit key rows itself, once for all rows (else the caller widens them).
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-constexpr bool kDirectWidens = true;
-#else
-constexpr bool kDirectWidens = false;
-#endif
-
 template <typename T>
 inline void qk_direct(const float* q, int64_t rows, int64_t dp, const T* const* krows, int nk, float* s) {
   switch (rows) {
@@ -750,16 +743,7 @@ void run_item(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scr
             continue;
 #endif
         const float* qh = w.q.data() + h * head_rows * g.dp;
-        if constexpr (std::is_same_v<C, float> || kDirectWidens) {
-          qk_direct(qh, head_rows, g.dp, krows_c, nk, s);
-        } else {           // 16-bit rows widened once, not once per query row
-          const float* kf[KT];
-          for (int j = 0; j < nk; ++j) {
-            kf[j] = w.kf.data() + j * g.dp;
-            row_to_f32(krows_c[j], w.kf.data() + j * g.dp, g.d);
-          }
-          qk_direct(qh, head_rows, g.dp, kf, nk, s);
-        }
+        qk_direct(qh, head_rows, g.dp, krows_c, nk, s);   // 16-bit rows widened once, for all rows
       }
     } else {
       if (!dot) load_v_tile(in.v_cache, offs, nk, g, w, vrows);
