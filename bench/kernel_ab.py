@@ -1,13 +1,7 @@
-"""kaiten_cpu::quant_linear of the working tree against the same kernel at another git revision,
-in one process: on a shared 2-core host the same unchanged kernel measured in two processes
-minutes apart differed by up to 1.7x (Zen 3, 2026-11-28), so a kernel change is only measured
-against its base in one process, calls interleaved.
-
-The base's kernels/csrc/quant_linear_cpu.cpp is built alone, for this machine's ISA and with the
-extension's own flags (kernels/cpu_attention.cpu_capability, build_flags), its ops registered
-under kaiten_ab_base instead of kaiten_cpu, and loaded beside the working tree's extension. Each shape is timed as
---copies copies of random weights (gguf's own quantizer), so they stream from memory as in a step;
-the two kernels alternate, the order reversed every round, and the median of the rounds is
+"""kaiten_cpu::quant_linear of the working tree against the same kernel at another git revision
+(--base), in one process (bench/base_kernel.py says why and how the base is built). Each shape is
+timed as --copies copies of random weights (gguf's own quantizer), so they stream from memory as in
+a step; the two kernels alternate, the order reversed every round, and the median of the rounds is
 reported, by default through the int8 method (int8 activations in every row, the fp32 x path).
 
     .venv/bin/python bench/kernel_ab.py [--base HEAD] [--formats Q8_0,Q4_1] [--rows 1,8,32,256]
@@ -18,10 +12,7 @@ Writes bench/results/<NAME>.md (default kernel_ab).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,36 +21,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.base_kernel import base_ops  # noqa: E402
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.quant_linear import NEVER, SHAPES, quantized  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
-from kernels.cpu_attention import build_flags, cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-SOURCE = "kernels/csrc/quant_linear_cpu.cpp"
-BUILDS = Path.home() / ".cache" / "kaiten" / "kernel_ab"
 # (min_dense_rows, int8_rows) forcing each method
 METHODS = {"int8": (NEVER, NEVER), "registers": (NEVER, 0), "dense": (0, 0)}
-
-
-def base_op(rev: str):
-    """The quant_linear op of `rev`'s kernel source, built (once per source and flags) and loaded."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{SOURCE}"], check=True,
-                            capture_output=True, text=True).stdout
-    renamed = re.sub(r"TORCH_LIBRARY_(FRAGMENT|IMPL)\(kaiten_cpu\b", r"TORCH_LIBRARY_\1(kaiten_ab_base", source)
-    if renamed == source:
-        raise SystemExit(f"{rev}:{SOURCE} registers no kaiten_cpu ops to rename")
-    cap, cflags = cpu_capability()
-    digest = hashlib.sha1((renamed + " ".join(cflags)).encode()).hexdigest()[:12]
-    name = f"kaiten_ab_base_{cap}_{digest}"
-    build = BUILDS / name
-    build.mkdir(parents=True, exist_ok=True)
-    (build / "quant_linear_base.cpp").write_text(renamed)
-    from torch.utils import cpp_extension
-    cpp_extension.load(name=name, sources=[str(build / "quant_linear_base.cpp")], **build_flags(cflags),
-                       build_directory=str(build), is_python_module=False, verbose=False)
-    return torch.ops.kaiten_ab_base.quant_linear
 
 
 def interleaved(ops: dict, layers: list[QuantLinear], x: torch.Tensor, method: str, rounds: int) -> dict[str, float]:
@@ -92,7 +63,7 @@ def main() -> int:
     ap.add_argument("--out", default="kernel_ab")
     args = ap.parse_args()
     load_extension()
-    ops = {"base": base_op(args.base), "working tree": torch.ops.kaiten_cpu.quant_linear}
+    ops = {"base": base_ops(args.base, "quant_linear_cpu.cpp").quant_linear, "working tree": torch.ops.kaiten_cpu.quant_linear}
     lines = [f"# quant_linear: the working tree against {args.base}, in one process\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), extension ISA {cpu_capability()[0]}, torch "
              f"{torch.__version__}, load before {load_avg()}. Method: {args.method}; fp32 x; {args.copies} copies of "

@@ -111,7 +111,8 @@ def _source_digest(cflags: list[str]) -> str:
     checkouts with different kernels (another branch, an older release) never load each other's
     build from the shared cache, and two checkouts of the same kernels do not rebuild in turn
     (cpp_extension's build.ninja names the sources by absolute path)."""
-    key = b"".join(p.read_bytes() for p in _SOURCES) + " ".join(cflags).encode() + str(_SOURCES[0].parent).encode()
+    files = [*_SOURCES, *sorted(_CSRC.glob("**/*.h"))]      # the sources and the headers they include
+    key = b"".join(p.read_bytes() for p in files) + " ".join(cflags).encode() + str(_CSRC).encode()
     return hashlib.sha1(key).hexdigest()[:12]
 
 

@@ -1,0 +1,248 @@
+// kaiten_cpu::quant_linear (../quant_linear_cpu.cpp): int8 activations on the panel GEMM, for more rows than
+// int8_block serves well.
+#pragma once
+
+#include <cstring>
+#include <vector>
+
+#include "int8_x.h"
+#include "panel_gemm.h"
+
+namespace kaiten::quant {
+
+#if defined(KAITEN_INT8_ACTIVATIONS)
+// The int8 panel GEMM: int8 activations for more rows than int8_block serves well. x's rows are
+// rounded as quantize_rows rounds them, each into a record of x_record_bytes(): its k integers,
+// then per block of 32 its scale (fp32) and per weight group the rounded x's sum (fp32, where
+// the panel has mins: their factor). Zero records are zero rows, so panel_gemm's padded tail needs
+// nothing more. A panel is
+// 2 x kIntLanes weight rows, per group their scales and mins (fp32), then the group's integers
+// by quads of inputs, [G / 4][kPanel][4] bytes, so one vector holds 4 inputs of kIntLanes weight
+// rows and meets 4 bytes of a row of x broadcast to every lane: int4 as bytes 0-15 (vpmaddubsw
+// pairs summed in int16 over a group: 8 x 2 x 15 x 127 fits; with VNNI vpdpbusd), int8 signed
+// (|w| against x times w's sign, vpmaddwd each quad, each quad's |w| stored after its w: taken
+// in the loop, 2 vpabsb a quad for 3 rows of x cost AVX2 on a Zen 4 1.01-1.08x the time at 32
+// and 256 rows, bench/results/kernel_ab_zen4_avx2_absw.md; with VNNI as w + 128, and the panel's mins
+// less 128 times the scales take back what that adds, in fp32 with the weight's own mins: an
+// int32 correction per row and group before the scaling made GCC spill the 24 accumulators, half
+// the speed on a Zen 4). Per group each row's int32 dots are scaled into fp32 accumulators, as in
+// int8_block, and the output is written in x's dtype.
+inline int64_t x_record_bytes(const Tiles& w) { return (w.k + 4 * (w.k / 32) + 4 * w.groups + 63) / 64 * 64; }
+
+// Whether the int8 panel holds mins: the weight's, or the VNNI bias of int8 weights (w + 128).
+template <typename I>
+constexpr bool panel_biased() { return kVnni && !I::kInt4; }
+template <typename I>
+bool panel_mins(const Tiles& w) { return w.has_mins || panel_biased<I>(); }
+
+template <typename I>
+std::vector<int8_t> x_records(const Tiles& w, const float* x, int64_t m) {
+  constexpr int G = I::kGroup;
+  const int64_t ld = x_record_bytes(w);
+  std::vector<int8_t> rec(m * ld);
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / w.k), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* q = rec.data() + r * ld;
+      float* d = reinterpret_cast<float*>(q + w.k);
+      round_blocks(x + r * w.k, w.k / 32, q, d);
+      if (panel_mins<I>(w)) scaled_group_sums<G>(q, d, w.groups, d + w.k / 32);
+    }
+  });
+  return rec;
+}
+
+// 4 bytes of x in every int32 lane.
+inline IVec bcast_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_set1_epi32(v);
+#else
+  return _mm256_set1_epi32(v);
+#endif
+}
+
+inline IVec iabs8(IVec v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_abs_epi8(v);
+#else
+  return _mm256_abs_epi8(v);
+#endif
+}
+
+// acc plus the dots of a panel's weight bytes w (a: their magnitudes, for the sign trick) with a
+// quad of x in every lane: int16 pairs for int4 without VNNI (group_dot widens them), else int32.
+template <typename I>
+inline IVec quad_dot(IVec acc, IVec w, IVec a, IVec xb) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, w, xb);     // int8 weights stored as w + 128
+#elif defined(CPU_CAPABILITY_AVX512)
+  if constexpr (I::kInt4) return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, xb));
+  const IVec sx = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xb);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, sx), _mm512_set1_epi16(1)));
+#else
+  if constexpr (I::kInt4) return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, xb));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(xb, w)), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Holds acc in a register as it is: GCC otherwise reassociates a group's quad_dot sums (integer
+// adds) into a tree whose partial sums outgrow AVX2's 16 registers and spill (Zen 3, one thread,
+// 256 rows: Q4_1 74-77 GMAC/s with the tree, 83-86 without; Q8_0 47-56, then 56-58).
+inline void in_order(IVec& acc) { __asm__("" : "+v"(acc)); }
+
+// A group's int32 dots from quad_dot's sums.
+template <typename I>
+inline IVec group_dot(IVec dot) {
+#if defined(__AVX512VNNI__)
+  return dot;
+#elif defined(CPU_CAPABILITY_AVX512)
+  return I::kInt4 ? _mm512_madd_epi16(dot, _mm512_set1_epi16(1)) : dot;
+#else
+  return I::kInt4 ? _mm256_madd_epi16(dot, _mm256_set1_epi16(1)) : dot;
+#endif
+}
+
+template <typename I, typename O>
+struct Int8Panel {
+  using X = int8_t;
+  using Out = O;
+  using P = uint8_t;
+  static constexpr int G = I::kGroup;
+  static constexpr bool kSignTrick = !I::kInt4 && !kVnni;   // int8 weights without VNNI
+  static constexpr int kPanel = 2 * kIntLanes;
+  // rows of x a pass: two integer accumulators each, besides the two weight vectors (and their
+  // magnitudes for the sign trick), in AVX2's 16 or AVX-512's 32 registers
+  static constexpr int kRows = kIntLanes == 16 ? (kSignTrick ? 6 : 12) : (kSignTrick ? 3 : 6);
+  // bytes of a quad of inputs of the panel's rows: their weight bytes, then for the sign trick
+  // their magnitudes (stored, not taken in the loop, where vpabsb competes with the multiplies)
+  static constexpr int64_t kQuadBytes = 4 * kPanel * (kSignTrick ? 2 : 1);
+  int64_t k, groups;
+  bool mins;
+  std::vector<float> sbuf;
+
+  explicit Int8Panel(const Tiles& w) : k(w.k), groups(w.groups), mins(panel_mins<I>(w)), sbuf(2 * w.scale_count()) {}
+  static int64_t group_size(bool has_mins) { return 4 * kPanel * (has_mins ? 2 : 1) + G / 4 * kQuadBytes; }
+  static int64_t panel_size(const Tiles& w) { return w.groups * group_size(panel_mins<I>(w)); }
+
+  template <typename>
+  void pack(const Tiles& w, int64_t t0, uint8_t* panel) {
+    const int64_t gs = group_size(mins);
+    for (int tt = 0; tt < kPanel / kTileRows; ++tt) {
+      const bool real = t0 + tt < w.tiles;
+      const uint8_t* tile = real ? w.tile(t0 + tt) : nullptr;
+      const TileScales s = real ? TileScales(w, tile, sbuf.data()) : TileScales();
+      for (int64_t g = 0; g < w.groups; ++g) {
+        float* sc = reinterpret_cast<float*>(panel + g * gs);
+        for (int i = 0; i < kTileRows; ++i) {
+          const float scale = real ? s.scales[g * kTileRows + i] : 0.f;
+          sc[tt * kTileRows + i] = scale;
+          if (mins)
+            sc[kPanel + tt * kTileRows + i] = (real && w.has_mins ? s.mins[g * kTileRows + i] : 0.f) -
+                                              (panel_biased<I>() ? 128.f * scale : 0.f);
+        }
+        uint8_t* ints = panel + g * gs + 4 * kPanel * (mins ? 2 : 1) + tt * kTileRows * 4;
+        const uint8_t* q = real ? w.ints(tile) + g * kTileRows * I::kBytes : nullptr;
+        if constexpr (G == 32)
+          pack_group(q, ints);
+        else
+          for (int qd = 0; qd < G / 4; ++qd)
+            for (int i = 0; i < kTileRows; ++i)
+              for (int b = 0; b < 4; ++b)
+                ints[qd * kQuadBytes + i * 4 + b] = real ? panel_byte(q[i * I::kBytes + 4 * qd + b]) : panel_byte(0);
+      }
+    }
+    if constexpr (kSignTrick)
+      for (int64_t g = 0; g < w.groups; ++g)
+        for (int qd = 0; qd < G / 4; ++qd) {
+          uint8_t* quad = panel + g * gs + 4 * kPanel * (mins ? 2 : 1) + qd * kQuadBytes;
+          for (int v = 0; v < 2; ++v)
+            istore(quad + 4 * kPanel + v * sizeof(IVec), iabs8(iload(quad + v * sizeof(IVec))));
+        }
+  }
+
+  // A weight byte as the panel holds it.
+  static uint8_t panel_byte(uint8_t b) { return kVnni && !I::kInt4 ? b ^ 0x80 : b; }
+
+  // A tile's group of 32 (4 rows' bytes, q; nullptr: zeros) into its 4 rows' quads of the panel:
+  // a 4 x 8 transpose of 32-bit quads, quad qd of the 4 rows as 16 bytes at dst + qd * kQuadBytes.
+  static void pack_group(const uint8_t* q, uint8_t* dst) {
+    __m256i r[kTileRows];
+    for (int i = 0; i < kTileRows; ++i) {
+      if (!q) {
+        r[i] = _mm256_set1_epi8(static_cast<char>(panel_byte(0)));
+      } else if constexpr (I::kInt4) {   // byte j: element j (low nibble) and j + 16 (high)
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * 16)), lo4 = _mm_set1_epi8(0x0F);
+        r[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), _mm_and_si128(b, lo4));
+      } else {
+        r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * 32));
+        if constexpr (kVnni) r[i] = _mm256_xor_si256(r[i], _mm256_set1_epi8(static_cast<char>(0x80)));
+      }
+    }
+    // 128-bit lane h of the results: quads (a, a + 4) of rows 0-3, a = 0..3
+    const __m256i lo01 = _mm256_unpacklo_epi32(r[0], r[1]), hi01 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i lo23 = _mm256_unpacklo_epi32(r[2], r[3]), hi23 = _mm256_unpackhi_epi32(r[2], r[3]);
+    const __m256i quads[4] = {_mm256_unpacklo_epi64(lo01, lo23), _mm256_unpackhi_epi64(lo01, lo23),
+                              _mm256_unpacklo_epi64(hi01, hi23), _mm256_unpackhi_epi64(hi01, hi23)};
+    for (int a = 0; a < 4; ++a) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + a * kQuadBytes), _mm256_castsi256_si128(quads[a]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (a + 4) * kQuadBytes), _mm256_extracti128_si256(quads[a], 1));
+    }
+  }
+
+  template <int MR>
+  void rows(const uint8_t* panel, const int8_t* x, int64_t ld, int64_t rows, O* out, int64_t n, int64_t n0) const {
+    const int64_t gs = group_size(mins);
+    RawVec acc0[MR], acc1[MR];
+    UNROLL
+    for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = Vec(0.f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* pg = panel + g * gs;
+      const uint8_t* ints = pg + 4 * kPanel * (mins ? 2 : 1);
+      IVec dot0[MR], dot1[MR];
+      UNROLL
+      for (int r = 0; r < MR; ++r) dot0[r] = dot1[r] = IVec{};
+      UNROLL
+      for (int qd = 0; qd < G / 4; ++qd) {
+        const uint8_t* quad = ints + qd * kQuadBytes;
+        const IVec w0 = iload(quad), w1 = iload(quad + sizeof(IVec));
+        const IVec a0 = kSignTrick ? iload(quad + 4 * kPanel) : w0;
+        const IVec a1 = kSignTrick ? iload(quad + 4 * kPanel + sizeof(IVec)) : w1;
+        UNROLL
+        for (int r = 0; r < MR; ++r) {
+          const IVec xb = bcast_quad(x + r * ld + g * G + 4 * qd);
+          dot0[r] = quad_dot<I>(dot0[r], w0, a0, xb);
+          dot1[r] = quad_dot<I>(dot1[r], w1, a1, xb);
+          in_order(dot0[r]);
+          in_order(dot1[r]);
+        }
+      }
+      const Vec s0 = Vec::loadu(pg), s1 = Vec::loadu(pg + 4 * VL);
+      UNROLL
+      for (int r = 0; r < MR; ++r) {
+        const float* d = reinterpret_cast<const float*>(x + r * ld + k);
+        const Vec dx(d[g * G / 32]);
+        Vec f0 = at::vec::fmadd(to_float(group_dot<I>(dot0[r])), s0 * dx, Vec(acc0[r]));
+        Vec f1 = at::vec::fmadd(to_float(group_dot<I>(dot1[r])), s1 * dx, Vec(acc1[r]));
+        if (mins) {
+          const Vec sum(d[k / 32 + g]);
+          f0 = at::vec::fmadd(Vec::loadu(pg + 4 * kPanel), sum, f0);
+          f1 = at::vec::fmadd(Vec::loadu(pg + 4 * kPanel + 4 * VL), sum, f1);
+        }
+        acc0[r] = f0;
+        acc1[r] = f1;
+      }
+    }
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
+    UNROLL
+    for (int r = 0; r < MR; ++r) {
+      if (r < rows) {
+        store_as(Vec(acc0[r]), out + r * n + n0, std::min(VL, cols));
+        if (cols > VL) store_as(Vec(acc1[r]), out + r * n + n0 + VL, cols - VL);
+      }
+    }
+  }
+};
+#endif
+
+}  // namespace kaiten::quant

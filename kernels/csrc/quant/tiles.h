@@ -1,0 +1,207 @@
+// kaiten_cpu::quant_linear (../quant_linear_cpu.cpp): the weight's tile layout (engine_worker/model/quant_tiles.py), its
+// dequantization, and what every method shares.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <type_traits>
+
+namespace kaiten::quant {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int VL = Vec::size();
+#if defined(CPU_CAPABILITY_AVX512)
+using RawVec = __m512;        // Vec's register, for arrays of accumulators
+#elif defined(CPU_CAPABILITY_AVX2)
+using RawVec = __m256;
+#else
+using RawVec = Vec;
+#endif
+constexpr int kTileRows = 4;        // weight rows a tile (quant_tiles.TILE_ROWS)
+// Fully unrolled fixed-size loops let the compiler keep the vector arrays in registers.
+#define UNROLL _Pragma("GCC unroll 16")
+
+// The 32 values of an int4 group as 32 / VL vectors, in input order.
+inline void unpack_int4(const uint8_t* p, Vec* q) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  q[0] = Vec(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))));
+  q[1] = Vec(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h)));
+    q[h] = Vec(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F))));
+    q[2 + h] = Vec(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)));
+  }
+#else
+  float v[32];
+  UNROLL
+  for (int i = 0; i < 16; ++i) {
+    v[i] = static_cast<float>(p[i] & 0x0F);
+    v[i + 16] = static_cast<float>(p[i] >> 4);
+  }
+  UNROLL
+  for (int j = 0; j < 32 / VL; ++j) q[j] = Vec::loadu(v + j * VL);
+#endif
+}
+
+// VL int8 values as one vector.
+inline Vec unpack_int8(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  float v[VL];
+  UNROLL
+  for (int i = 0; i < VL; ++i) v[i] = static_cast<float>(p[i]);
+  return Vec::loadu(v);
+#endif
+}
+
+inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+}
+
+struct Tiles {
+  const uint8_t* data;
+  int64_t n, k, groups, tiles, tile_bytes;
+  int scale_bytes;   // 2: fp16, 4: fp32
+  bool has_mins;
+
+  const uint8_t* tile(int64_t t) const { return data + t * tile_bytes; }
+  int64_t scale_count() const { return groups * kTileRows; }
+  const uint8_t* ints(const uint8_t* tile) const { return tile + scale_count() * scale_bytes * (has_mins ? 2 : 1); }
+};
+
+// A tile's scales and mins as fp32 [G][kTileRows]: fp16 ones widened into buf (2 x scale_count()).
+struct TileScales {
+  const float* scales;
+  const float* mins;   // nullptr without mins
+
+  TileScales() : scales(nullptr), mins(nullptr) {}
+  TileScales(const Tiles& w, const uint8_t* tile, float* buf) {
+    const int64_t count = w.scale_count();
+    const float* parts[2] = {nullptr, nullptr};
+    for (int part = 0; part < (w.has_mins ? 2 : 1); ++part) {
+      const uint8_t* src = tile + part * count * w.scale_bytes;
+      if (w.scale_bytes == 4) {
+        parts[part] = reinterpret_cast<const float*>(src);
+      } else {
+        half_to_float(reinterpret_cast<const uint16_t*>(src), buf + part * count, count);
+        parts[part] = buf + part * count;
+      }
+    }
+    scales = parts[0];
+    mins = parts[1];
+  }
+};
+
+// The stored integers of one row's group of G as G / VL fp32 vectors, in input order.
+template <bool kIsInt4, int G>
+struct Ints {
+  static_assert(G % VL == 0 && (G == 32 || (!kIsInt4 && G == 16)), "int4 groups are 32, int8 groups 16 or 32");
+  static constexpr bool kInt4 = kIsInt4;
+  static constexpr int kGroup = G;
+  static constexpr int kVecs = G / VL;
+  static constexpr int kBytes = kInt4 ? G / 2 : G;
+
+  static inline void load(const uint8_t* p, Vec* out) {
+    if constexpr (kInt4) {
+      unpack_int4(p, out);
+    } else {
+      UNROLL
+      for (int j = 0; j < kVecs; ++j) out[j] = unpack_int8(reinterpret_cast<const int8_t*>(p) + j * VL);
+    }
+  }
+};
+
+// How far ahead of a group a thread asks for its tiles' bytes. The hardware prefetchers alone left
+// a one-row decode at 8-12 GB/s where a plain read streams 24 (2-core Xeon with AMX, 2 threads,
+// 30 layers' Q4_1 projections: 4.8 -> 4.7 ms in fp32 registers, 3.5 -> 2.9 ms with int8 x; Q8_0
+// 10.4 -> 7.1 and 9.7 -> 6.0 ms; as good from 4 KiB to 8 KiB ahead). Past a matrix's end it is a
+// harmless hint.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Asks for the bytes kPrefetchBytes past a tile's group qg (its 4 rows' integers).
+template <typename I>
+inline void prefetch_group(const uint8_t* qg) {
+  UNROLL
+  for (int j = 0; j < (kTileRows * I::kBytes + 63) / 64; ++j) __builtin_prefetch(qg + kPrefetchBytes + 64 * j);
+}
+
+// The weights of row `lane` of a tile in group g, q * scale + min, as I::kVecs fp32 vectors; q: the
+// tile's integers.
+template <typename I>
+inline void dequantize_group(const uint8_t* q, const TileScales& s, int64_t g, int lane, Vec* out) {
+  const int64_t at = g * kTileRows + lane;
+  I::load(q + at * I::kBytes, out);
+  const Vec scale(s.scales[at]), min(s.mins ? s.mins[at] : 0.f);
+  UNROLL
+  for (int j = 0; j < I::kVecs; ++j) out[j] = at::vec::fmadd(out[j], scale, min);
+}
+
+// A tile's kTileRows weight rows dequantized into out [kTileRows][k], q * scale + min.
+template <typename I>
+void dequantize_tile(const Tiles& w, const uint8_t* tile, float* sbuf, float* out) {
+  const TileScales s(w, tile, sbuf);
+  const uint8_t* q = w.ints(tile);
+  for (int i = 0; i < kTileRows; ++i)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      if (i == 0) prefetch_group<I>(q + g * kTileRows * I::kBytes);
+      Vec wv[I::kVecs];
+      dequantize_group<I>(q, s, g, i, wv);
+      UNROLL
+      for (int j = 0; j < I::kVecs; ++j) wv[j].store(out + i * w.k + g * I::kGroup + j * VL);
+    }
+}
+
+// A buffer of n T on 64-byte cache lines.
+template <typename T>
+struct Aligned {
+  std::unique_ptr<T[], void (*)(void*)> p;
+  explicit Aligned(int64_t n) : p(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)), &std::free) {}
+  T* data() const { return p.get(); }
+};
+
+// count (<= VL) floats of v into dst, rounded to nearest even where O is narrower.
+template <typename O>
+inline void store_as(const Vec& v, O* dst, int64_t count) {
+  if constexpr (std::is_same_v<O, float>) {
+    v.store(dst, static_cast<int>(count));
+  } else {
+    float f[VL];
+    v.store(f);
+    at::vec::convert(f, dst, count);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Asks for the bytes of a tile's group(s) holding inputs [c, c + 32).
+template <typename I>
+inline void prefetch_32(const uint8_t* q, int64_t c) {
+  for (int h = 0; h < 32 / I::kGroup; ++h) prefetch_group<I>(q + (c / I::kGroup + h) * kTileRows * I::kBytes);
+}
+
+// Inputs [c, c + 32) of a tile's row `lane`, q * scale + min in fp32, rounded to bf16 (nearest
+// even, as the dense bf16 GEMM rounds its weights); q: the tile's integers.
+template <typename I>
+inline __m512bh dequantize_bf16(const uint8_t* q, const TileScales& s, int64_t c, int lane) {
+  Vec d[2];
+  UNROLL
+  for (int h = 0; h < 32 / I::kGroup; ++h) dequantize_group<I>(q, s, c / I::kGroup + h, lane, d + h * I::kVecs);
+  return _mm512_cvtne2ps_pbh(d[1], d[0]);
+}
+#endif
+
+}  // namespace kaiten::quant
