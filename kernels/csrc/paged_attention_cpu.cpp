@@ -178,22 +178,26 @@ inline void qk_block(const float* q, int64_t dp, const float* kt, float* s) {
     UNROLL for (int v = 0; v < KV; ++v) acc[r * KV + v].store(s + r * KT + v * VL);
 }
 
-inline void qk_rows(const float* q, int64_t rows, int64_t dp, const float* kt, float* s) {
-  constexpr int kRows = 8;
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) qk_block<kRows>(q + r * dp, dp, kt, s + r * KT);
-  const float* qr = q + r * dp;
-  float* sr = s + r * KT;
-  switch (rows - r) {
-    case 7: qk_block<7>(qr, dp, kt, sr); break;
-    case 6: qk_block<6>(qr, dp, kt, sr); break;
-    case 5: qk_block<5>(qr, dp, kt, sr); break;
-    case 4: qk_block<4>(qr, dp, kt, sr); break;
-    case 3: qk_block<3>(qr, dp, kt, sr); break;
-    case 2: qk_block<2>(qr, dp, kt, sr); break;
-    case 1: qk_block<1>(qr, dp, kt, sr); break;
-    default: break;
+// Rows a block: their NR x KV accumulators, KV key vectors and a broadcast in the registers.
+// AVX2's 16 hold 6 rows; with 8, GCC kept 3 accumulators on the stack, and 6 rows here and in
+// P V (kPvRows) took a prefill 0.76-0.86x the time (Zen 4, AVX2 build, 30 layers of SmolLM2's
+// heads, 1 and 2 threads, bench/results/attention_ab_zen4_avx2.md). On AVX-512, 16 rows here and
+// 8 in P V took 1.03-1.10x the time of 8 and 4 (attention_ab_zen4_avx512.md).
+constexpr int kQkRows = VL == 16 ? 8 : 6;
+
+// Calls f(std::integral_constant<int, n>{}) for n in 1 .. N.
+template <int N, typename F>
+inline void with_rows_upto(int64_t n, const F& f) {
+  if constexpr (N > 0) {
+    if (n == N) f(std::integral_constant<int, N>{});
+    else with_rows_upto<N - 1>(n, f);
   }
+}
+
+inline void qk_rows(const float* q, int64_t rows, int64_t dp, const float* kt, float* s) {
+  int64_t r = 0;
+  for (; r + kQkRows <= rows; r += kQkRows) qk_block<kQkRows>(q + r * dp, dp, kt, s + r * KT);
+  with_rows_upto<kQkRows - 1>(rows - r, [&](auto nr) { qk_block<decltype(nr)::value>(q + r * dp, dp, kt, s + r * KT); });
 }
 
 // Few rows (a decode: the G heads of one token): dot products straight from the cache rows,
@@ -359,21 +363,18 @@ inline void pv_cols(float* o, int64_t dp, const float* p, const float* corr,
   for (; d0 < dp; d0 += VL) pv_block<NR, 1>(o, dp, p, corr, vrows, nkeys, d0);
 }
 
+// Rows a block: NR x 2 accumulators, 2 V vectors and a broadcast in the registers (kQkRows says why 6).
+constexpr int kPvRows = VL == 16 ? RB : 6;
+
 // Rows [r0, r1) of the item.
 template <typename TV>
 inline void pv_rows(Scratch& w, int64_t r0, int64_t r1, int64_t dp, const TV* const* vrows) {
-  for (int64_t r = r0; r < r1; r += RB) {
-    const int nr = static_cast<int>(std::min<int64_t>(RB, r1 - r));
+  for (int64_t r = r0; r < r1; r += kPvRows) {
+    const int64_t nr = std::min<int64_t>(kPvRows, r1 - r);
     const int nkeys = *std::max_element(w.valid.begin() + r, w.valid.begin() + r + nr);
-    float* o = w.o.data() + r * dp;
-    const float* p = w.p.data() + r * KT;
-    const float* corr = w.corr.data() + r;
-    switch (nr) {
-      case 4: pv_cols<4>(o, dp, p, corr, vrows, nkeys); break;
-      case 3: pv_cols<3>(o, dp, p, corr, vrows, nkeys); break;
-      case 2: pv_cols<2>(o, dp, p, corr, vrows, nkeys); break;
-      default: pv_cols<1>(o, dp, p, corr, vrows, nkeys); break;
-    }
+    with_rows_upto<kPvRows>(nr, [&](auto n) {
+      pv_cols<decltype(n)::value>(w.o.data() + r * dp, dp, w.p.data() + r * KT, w.corr.data() + r, vrows, nkeys);
+    });
   }
 }
 
