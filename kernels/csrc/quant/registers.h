@@ -44,6 +44,24 @@ inline void reduce_into(Vec (&acc)[R][NR], int i0, float (*y)[kTileRows]) {
       y[r][i0 + i] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][i]);
 }
 
+// acc = 0 (Vectorized's default constructor leaves its lanes unset).
+template <int R, int NR>
+inline void set_zero(Vec (&acc)[R][NR]) {
+  UNROLL
+  for (int r = 0; r < R; ++r)
+    UNROLL
+    for (int i = 0; i < NR; ++i) acc[r][i] = Vec(0.f);
+}
+
+// Group g of R rows of x (row stride k) as I::kVecs vectors a row.
+template <typename I, int R>
+inline void load_x_group(const float* x, int64_t k, int64_t g, Vec (&xv)[R][I::kVecs]) {
+  UNROLL
+  for (int r = 0; r < R; ++r)
+    UNROLL
+    for (int j = 0; j < I::kVecs; ++j) xv[r][j] = Vec::loadu(x + r * k + g * I::kGroup + j * VL);
+}
+
 // The fp32 blocks: the tile's weight rows i0 .. i0 + NR against R rows of x (row stride k), into
 // y[r][i0 + i], over R x NR independent FMA chains.
 
@@ -53,19 +71,13 @@ template <typename I, int R, int NR>
 inline void scaled_block(const Tiles& w, const uint8_t* q, const TileScales& s, int i0, const float* x,
                          float (*y)[kTileRows]) {
   Vec acc[R][NR];
-  UNROLL
-  for (int r = 0; r < R; ++r)
-    UNROLL
-    for (int i = 0; i < NR; ++i) acc[r][i] = Vec(0.f);
+  set_zero(acc);
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* qg = q + g * kTileRows * I::kBytes;
     if (i0 == 0) prefetch_group<I>(qg);
     const float* sg = s.scales + g * kTileRows;
     Vec xv[R][I::kVecs];
-    UNROLL
-    for (int r = 0; r < R; ++r)
-      UNROLL
-      for (int j = 0; j < I::kVecs; ++j) xv[r][j] = Vec::loadu(x + r * w.k + g * I::kGroup + j * VL);
+    load_x_group<I, R>(x, w.k, g, xv);
     UNROLL
     for (int i = 0; i < NR; ++i) {
       Vec qv[I::kVecs];
@@ -94,17 +106,11 @@ template <typename I, int R, int NR>
 inline void dequantizing_block(const Tiles& w, const uint8_t* q, const TileScales& s, int i0, const float* x,
                                float (*y)[kTileRows]) {
   Vec acc[R][NR];
-  UNROLL
-  for (int r = 0; r < R; ++r)
-    UNROLL
-    for (int i = 0; i < NR; ++i) acc[r][i] = Vec(0.f);
+  set_zero(acc);
   for (int64_t g = 0; g < w.groups; ++g) {
     if (i0 == 0) prefetch_group<I>(q + g * kTileRows * I::kBytes);
     Vec xv[R][I::kVecs];
-    UNROLL
-    for (int r = 0; r < R; ++r)
-      UNROLL
-      for (int j = 0; j < I::kVecs; ++j) xv[r][j] = Vec::loadu(x + r * w.k + g * I::kGroup + j * VL);
+    load_x_group<I, R>(x, w.k, g, xv);
     UNROLL
     for (int i = 0; i < NR; ++i) {
       Vec wv[I::kVecs];
