@@ -33,6 +33,33 @@ from .metrics import GatewayMetrics
 from .models import ModelRegistry, ModelSpec, ServedModel, resolve_model_dir
 
 log = logging.getLogger("kaiten.gateway")
+# Each step of a shutdown waits at most this long: a close that stalls (a socket's wait_closed
+# behind a reader that holds its transport, redis-py#3941) must not keep the process from exiting.
+CLOSE_TIMEOUT_S = 5.0
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    """Cancels the tasks and waits for them, for at most CLOSE_TIMEOUT_S. The cancellation is
+    repeated: one that lands as a task's own timeout fires can be taken for that timeout (a reader
+    in get_message(timeout=...)), and the task then runs on."""
+    deadline = time.monotonic() + CLOSE_TIMEOUT_S
+    pending = set(tasks)
+    while pending and time.monotonic() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.2)
+    if pending:
+        log.warning("shutdown: %s did not stop within %.0f s", ", ".join(t.get_name() for t in pending), CLOSE_TIMEOUT_S)
+
+
+async def _bounded(what: str, aw) -> None:
+    """Awaits a shutdown step for at most CLOSE_TIMEOUT_S; a stall is logged by name, errors ignored."""
+    try:
+        await asyncio.wait_for(aw, CLOSE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        log.warning("shutdown: %s did not finish within %.0f s; going on", what, CLOSE_TIMEOUT_S)
+    except Exception:
+        pass
 
 
 def bounded_redis(url: str, max_connections: int, client_name: str, wait_s: float = 10.0):
@@ -157,25 +184,16 @@ class Gateway:
             await self.failover.wait_idle(2.0)
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=2.0)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await _cancel_all(self._tasks)
         self._tasks = []
         if self.router is not None:
-            await self.router.close()
+            await _bounded("the reply channel's close", self.router.close())
         if self.alive is not None:
             await asyncio.to_thread(self.alive.stop)
         for client, own in ((self.sub_redis, True), (self.redis, self._own_redis)):
             if client is not None and own:
-                try:
-                    await client.aclose(close_connection_pool=True)
-                except Exception:
-                    pass
-        await self.models.aclose()
+                await _bounded("a Redis client's close", client.aclose(close_connection_pool=True))
+        await _bounded("the models' close", self.models.aclose())
 
     # ------------------------------------------------------------------ models
     def resolve(self, requested: str | None) -> ModelContext:
