@@ -290,12 +290,7 @@ inline void qk_direct_block(const float* q, int64_t dp, const T* const* krows, i
 
 template <typename T>
 inline void qk_direct(const float* q, int64_t rows, int64_t dp, const T* const* krows, int nk, float* s) {
-  switch (rows) {
-    case 4: qk_direct_block<4>(q, dp, krows, nk, s); break;
-    case 3: qk_direct_block<3>(q, dp, krows, nk, s); break;
-    case 2: qk_direct_block<2>(q, dp, krows, nk, s); break;
-    default: qk_direct_block<1>(q, dp, krows, nk, s); break;
-  }
+  with_rows_upto<RB>(rows, [&](auto nr) { qk_direct_block<decltype(nr)::value>(q, dp, krows, nk, s); });
 }
 
 // ------------------------------------------------------------------------------ online softmax
@@ -526,17 +521,11 @@ inline void pv_rows_bf16(Scratch& w, int64_t r0, int64_t r1, int64_t dp, const c
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.pp.data() + r * (KT / 2)),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w.p.data() + r * KT)));
   for (int64_t r = r0; r < r1; r += RB) {
-    const int nr = static_cast<int>(std::min<int64_t>(RB, r1 - r));
+    const int64_t nr = std::min<int64_t>(RB, r1 - r);
     const int npairs = (*std::max_element(w.valid.begin() + r, w.valid.begin() + r + nr) + 1) / 2;
-    float* o = w.o.data() + r * dp;
-    const uint32_t* pp = w.pp.data() + r * (KT / 2);
-    const float* corr = w.corr.data() + r;
-    switch (nr) {
-      case 4: pv_cols_bf16<4>(o, dp, pp, corr, vrows, npairs); break;
-      case 3: pv_cols_bf16<3>(o, dp, pp, corr, vrows, npairs); break;
-      case 2: pv_cols_bf16<2>(o, dp, pp, corr, vrows, npairs); break;
-      default: pv_cols_bf16<1>(o, dp, pp, corr, vrows, npairs); break;
-    }
+    with_rows_upto<RB>(nr, [&](auto n) {
+      pv_cols_bf16<decltype(n)::value>(w.o.data() + r * dp, dp, w.pp.data() + r * (KT / 2), w.corr.data() + r, vrows, npairs);
+    });
   }
 }
 #else
