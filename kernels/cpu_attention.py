@@ -9,8 +9,9 @@ The extension is compiled on first use with torch.utils.cpp_extension (needs a C
 OpenMP, and ninja), once per process, and cached on disk: TORCH_EXTENSIONS_DIR if set, else
 ~/.cache/kaiten/torch_extensions, under the torch version. The build targets the CPU it runs on
 (AVX-512 with bf16, AVX-512, AVX2, else at::vec's portable code; KAITEN_CPU_ISA forces one), and
-the capability and a digest of the source are part of the extension's name, so machines and
-checkouts that share the cache get builds of their own. cpp_attention_available() says whether the kernel can be used;
+the capability and a digest of the sources, flags and compiler are part of the extension's name:
+machines and kernel versions that share the cache get builds of their own, and every checkout of
+the same kernels (a worktree, a CI clone) loads the one build. cpp_attention_available() says whether the kernel can be used;
 get_attention_backend("auto") falls back to the torch backend when it cannot.
 
 The extension also registers dispatcher ops for compiled graphs (kaiten_cpu::paged_attention,
@@ -28,6 +29,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -106,14 +108,38 @@ def _build_dir(name: str) -> Path:
     return path
 
 
-def _source_digest(cflags: list[str]) -> str:
-    """A digest of the kernel source, its flags and its folder, part of the extension's name:
+def _kernel_files() -> dict[str, bytes]:
+    """The extension's sources and the headers they include, by path under csrc/."""
+    files = [*_SOURCES, *sorted(_CSRC.glob("**/*.h"))]
+    return {str(p.relative_to(_CSRC)): p.read_bytes() for p in files}
+
+
+def _compiler_id(cxx: str) -> bytes:
+    """The compiler's own version line: a build from another compiler is another build."""
+    out = subprocess.run([cxx, "--version"], capture_output=True, timeout=30)
+    return out.stdout.split(b"\n", 1)[0]
+
+
+def _source_digest(files: dict[str, bytes], cflags: list[str], cxx: str) -> str:
+    """A digest of the kernel sources, their flags and the compiler, part of the extension's name:
     checkouts with different kernels (another branch, an older release) never load each other's
-    build from the shared cache, and two checkouts of the same kernels do not rebuild in turn
-    (cpp_extension's build.ninja names the sources by absolute path)."""
-    files = [*_SOURCES, *sorted(_CSRC.glob("**/*.h"))]      # the sources and the headers they include
-    key = b"".join(p.read_bytes() for p in files) + " ".join(cflags).encode() + str(_CSRC).encode()
+    build from the shared cache, and checkouts of the same kernels share one."""
+    key = b"".join(name.encode() + b"\0" + data for name, data in files.items())
+    key += " ".join(cflags).encode() + _compiler_id(cxx)
     return hashlib.sha1(key).hexdigest()[:12]
+
+
+def _stage_sources(build_dir: Path, files: dict[str, bytes]) -> list[str]:
+    """The sources copied into the build directory, the paths cpp_extension builds from: its
+    build.ninja names sources by absolute path, so building from the checkout would tie the build
+    to one folder. A file is written only when its bytes differ, so ninja (by mtime) finds a
+    finished build up to date."""
+    for name, data in files.items():
+        dst = build_dir / "src" / name
+        if not dst.exists() or dst.read_bytes() != data:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
+    return [str(build_dir / "src" / p.relative_to(_CSRC)) for p in _SOURCES]
 
 
 @contextlib.contextmanager
@@ -154,12 +180,13 @@ def load_extension():
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed (pip install ninja, or apt-get install ninja-build)")
         cap, cflags = cpu_capability()
-        name = f"kaiten_paged_attention_{cap.replace('+', '_')}_{_source_digest(cflags)}"
+        files = _kernel_files()
+        name = f"kaiten_paged_attention_{cap.replace('+', '_')}_{_source_digest(files, cflags, cxx)}"
         build_dir = _build_dir(name)
         if not any(build_dir.glob(f"{name}*.so")):
             log.info("building the CPU attention kernel (%s) in %s ...", cap, build_dir)
         with _build_lock(build_dir):
-            module = cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], **build_flags(cflags),
+            module = cpp_extension.load(name=name, sources=_stage_sources(build_dir, files), **build_flags(cflags),
                                         build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
         _EXTENSION_CACHE["error"] = f"{type(e).__name__}: {e}"

@@ -288,25 +288,44 @@ def test_registry_and_custom_op(backend):
     torch.testing.assert_close(got, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
 
 
-def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(backend, tmp_path):
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(backend):
     """cpp_extension waits for ever on the plain lock file a killed build leaves behind; the loader
     removes it under its own lock, which dies with its holder."""
-    import os
-    import shutil
     import subprocess
     import sys
     from pathlib import Path
 
     built = Path(cpu_attention.load_extension().__file__).parent
-    copy = tmp_path / built.parent.name / built.name
-    shutil.copytree(built, copy)
-    (copy / "lock").write_text("")
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    (built / "lock").write_text("")
     proc = subprocess.run([sys.executable, "-c", "from kernels import cpu_attention; cpu_attention.load_extension()"],
-                          env=env, capture_output=True, text=True, timeout=240,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not (copy / "lock").exists()
+    assert not (built / "lock").exists()
+
+
+def test_checkouts_of_the_same_kernels_share_one_build(backend, tmp_path):
+    """The build is named by the kernels' bytes, not the checkout's folder: a copy of kernels/ in
+    another folder loads the same .so without building, and a changed header is another build."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    built = Path(cpu_attention.load_extension().__file__)
+    shutil.copytree(Path(cpu_attention.__file__).parent, tmp_path / "kernels")
+    load = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+            "from kernels import cpu_attention; print(cpu_attention.load_extension().__file__)")
+    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == str(built)
+    assert "building" not in proc.stdout
+    header = tmp_path / "kernels" / "csrc" / "quant" / "registers.h"
+    header.write_text(header.read_text() + "\n// another kernel\n")
+    other = subprocess.run([sys.executable, "-c", "from kernels import cpu_attention as c; "
+                            "print(c._source_digest(c._kernel_files(), c.cpu_capability()[1], 'c++'))"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert other.stdout.strip() not in built.parent.name
 
 
 @pytest.mark.slow
