@@ -51,7 +51,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "with_rows.h"
+
 namespace {
+
+using kaiten::with_rows_upto;
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int VL = Vec::size();            // floats per vector: 16 (AVX-512), 8 (AVX2, portable)
@@ -184,15 +188,6 @@ inline void qk_block(const float* q, int64_t dp, const float* kt, float* s) {
 // heads, 1 and 2 threads, bench/results/attention_ab_zen4_avx2.md). On AVX-512, 16 rows here and
 // 8 in P V took 1.03-1.10x the time of 8 and 4 (attention_ab_zen4_avx512.md).
 constexpr int kQkRows = VL == 16 ? 8 : 6;
-
-// Calls f(std::integral_constant<int, n>{}) for n in 1 .. N.
-template <int N, typename F>
-inline void with_rows_upto(int64_t n, const F& f) {
-  if constexpr (N > 0) {
-    if (n == N) f(std::integral_constant<int, N>{});
-    else with_rows_upto<N - 1>(n, f);
-  }
-}
 
 inline void qk_rows(const float* q, int64_t rows, int64_t dp, const float* kt, float* s) {
   int64_t r = 0;

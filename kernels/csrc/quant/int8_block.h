@@ -95,7 +95,7 @@ void int8_activations(const Tiles& w, const float* x, int64_t m, O* out) {
   const Int8Rows xq = quantize_rows<I>(w, x, m);
   over_tiles<float, false>(w, m, 0, out,
                            [&](const TileScales&, const uint8_t* tile, float*, int64_t r0, int64_t rows, float(*y)[kTileRows]) {
-    with_rows(rows, [&](auto R) { int8_block<I, R>(w, tile, xq, r0, y); });
+    with_rows_upto<kRowBlock>(rows, [&](auto R) { int8_block<I, R>(w, tile, xq, r0, y); });
   });
 }
 #endif

@@ -6,22 +6,12 @@
 #include <ATen/Parallel.h>
 #include <vector>
 
+#include "../with_rows.h"
 #include "tiles.h"
 
 namespace kaiten::quant {
 
 constexpr int kRowBlock = 4;        // rows of x per pass over a tile
-
-// Calls f(R) with R = rows (1 .. kRowBlock) as a compile-time constant.
-template <typename F>
-inline void with_rows(int64_t rows, const F& f) {
-  switch (rows) {
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
 
 // Calls block(NR, i0) over a tile's weight rows: all 4 at once where the R x 4 accumulators and R
 // rows' x vectors fit the registers (AVX-512's 32; AVX2's 16 up to 2 rows of x), else 2 and 2.
@@ -188,7 +178,7 @@ void registers(const Tiles& w, const float* x, int64_t m, O* out) {
                     [&](const TileScales& s, const uint8_t* tile, float*, int64_t r0, int64_t rows, float(*y)[kTileRows]) {
     const uint8_t* q = w.ints(tile);
     const float* xr = x + r0 * w.k;
-    with_rows(rows, [&](auto R) {
+    with_rows_upto<kRowBlock>(rows, [&](auto R) {
       if constexpr (kDequantFirst<I, R>) {
         over_weight_rows<R>([&](auto NR, int i0) { dequantizing_block<I, R, NR>(w, q, s, i0, xr, y); });
       } else {
@@ -247,7 +237,7 @@ void bf16_registers(const Tiles& w, const at::BFloat16* x, int64_t m, at::BFloat
                            [&](const TileScales& s, const uint8_t* tile, at::BFloat16* wt, int64_t r0, int64_t rows,
                                float(*y)[kTileRows]) {
     const uint8_t* q = w.ints(tile);
-    with_rows(rows, [&](auto R) {
+    with_rows_upto<kRowBlock>(rows, [&](auto R) {
       if (r0 == 0)
         bf16_block<I, R, false>(w, q, s, x, wt, y);
       else
