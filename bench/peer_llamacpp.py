@@ -28,6 +28,7 @@ from bench.peer_offline import DEFAULT_PEER  # noqa: E402
 from bench.peer_serve import (RESULTS, Server, interleaved_runs, pair_rows, rounds_note, start_server,  # noqa: E402
                               stop_server)
 from bench.results_files import write_results  # noqa: E402
+from kernels.cpu_attention import cpu_capability  # noqa: E402
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
 from shared.launcher import free_port  # noqa: E402
 
@@ -58,7 +59,9 @@ def main() -> None:
     subprocess.run(["bash", args.llama_peer, "setup"], check=True, capture_output=True)
     report = {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": " ".join(cpu_flags()), "load_avg_before": load_avg(),
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
-              "num_prompts_single": args.num_prompts_single, "rounds": args.rounds, "files": {}}
+              "num_prompts_single": args.num_prompts_single, "rounds": args.rounds, "files": {},
+              "kaiten_isa": cpu_capability()[0], "kaiten_dtype": os.environ.get("KAITEN_DTYPE", "auto"),
+              "llama_peer": args.llama_peer}
     for kind in args.files.split(","):
         gguf = gguf_path(Path(args.llama_peer), kind)
         tokenizer_dir = str(ensure_converted_gguf(Path(gguf)))     # the client's tokenizer; converted once
@@ -108,8 +111,9 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
         f"CPU: {rep['cpu']} ({rep['cores']} cores; flags: {rep['flags']}). Load average "
         f"{rep['load_avg_before']} before, {rep['load_avg_after']} after. Client: random {rep['input_len']}-token "
         f"prompts, {rep['output_len']} output tokens, ignore_eos, greedy; {rep['num_prompts']} prompts per run "
-        f"({rep['num_prompts_single']} at concurrency 1). llama-server: 32 slots (-np 32 -c 16384)"
-        f"{no_repack_note(rep)}. {rounds_note(rep)}\n",
+        f"({rep['num_prompts_single']} at concurrency 1). Kaiten: extension ISA {rep.get('kaiten_isa', '?')}, "
+        f"dtype {rep.get('kaiten_dtype', 'auto')}. llama-server (from {Path(rep.get('llama_peer', LLAMA_PEER)).name}): "
+        f"32 slots (-np 32 -c 16384){no_repack_note(rep)}. {rounds_note(rep)}\n",
         "| file | concurrency | server | completed | failed | output tok/s | Kaiten / llama.cpp | TTFT p50 ms "
         "| TPOT p50 ms |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",

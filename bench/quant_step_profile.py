@@ -1,13 +1,16 @@
-"""Where a decode step's time goes on the default model served quantized (--quantization auto).
+"""Where a step's time goes on the default model served quantized (--quantization auto).
 
-B requests of --context random tokens are prefilled, then --steps decode steps run under
-torch.profiler (after untimed warm-up steps); the table splits the mean step time into
-kaiten_cpu::quant_linear per weight shape (qkv, o, gate_up, down, lm_head), the attention ops,
-and the rest (norms, rope, activations, sampling, the engine's Python).
+Decode (default): B requests of --context random tokens are prefilled, then --steps decode steps
+run under torch.profiler (after untimed warm-up steps). Prefill (--prefill P): each step prefills
+P new prompts of --context tokens (max_tokens 1, prefix caching off, a token budget of P x
+context). The table splits the mean step time into kaiten_cpu::quant_linear per weight shape
+(qkv, o, gate_up, down, lm_head), the attention ops, and the rest (norms, rope, activations,
+sampling, the engine's Python).
 
     .venv/bin/python bench/quant_step_profile.py [--batch 1] [--context 256] [--steps 40] [--threads 0]
+        [--prefill 0] [--dtype auto] [--model GGUF]
 
-Writes bench/results/quant_step_profile_b<B>.md.
+Writes bench/results/quant_step_profile_b<B>[_<model>].md (_p<P> for prefill).
 """
 from __future__ import annotations
 
@@ -40,24 +43,22 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core)")
     ap.add_argument("--model", default="", help="a GGUF file or a model folder (default: the default model)")
+    ap.add_argument("--prefill", type=int, default=0, help="profile prefill steps of this many prompts")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     from shared.gguf_convert import ensure_converted_gguf, ensure_default_model
     load0 = load_avg()
     model = ensure_converted_gguf(args.model) if args.model.endswith(".gguf") else args.model or ensure_default_model()
-    llm = LLM(str(model), max_num_seqs=64, kv_cache_memory="512MiB", quantization="auto",
-              num_threads=args.threads)
+    budget = args.prefill * args.context if args.prefill else 0
+    llm = LLM(str(model), max_num_seqs=64, kv_cache_memory="512MiB", quantization="auto", dtype=args.dtype,
+              num_threads=args.threads, enable_prefix_caching=not args.prefill, max_num_batched_tokens=budget)
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True)
-    for _ in range(args.batch):
-        llm.submit([rng.randrange(3, 49152) for _ in range(args.context)], params)
-    step_until_decoding(llm)
-    for _ in range(10):
-        llm.step()
-    t0 = time.perf_counter()
+    prompt = lambda: [rng.randrange(3, 49152) for _ in range(args.context)]   # noqa: E731
+    step = prefill_step(llm, prompt, args.prefill) if args.prefill else decode_step(llm, prompt, args)
+    for _ in range(10 if not args.prefill else 2):
+        step()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(args.steps):
-            llm.step()
-    step_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+        step_ms = sum(step() for _ in range(args.steps)) * 1e3 / args.steps
     parts: dict[str, float] = defaultdict(float)
     for e in prof.key_averages(group_by_input_shape=True):
         if e.key == "kaiten_cpu::quant_linear":
@@ -66,7 +67,8 @@ def main() -> int:
         elif e.key.startswith("kaiten_cpu::") and "linear" not in e.key:
             parts[e.key] += e.self_cpu_time_total / 1e3 / args.steps
     rest = step_ms - sum(parts.values())
-    lines = [f"# Decode step profile, {Path(str(model)).name} quantized, B={args.batch}, context {args.context}\n",
+    kind = f"Prefill step profile, {args.prefill} prompts" if args.prefill else f"Decode step profile, B={args.batch}"
+    lines = [f"# {kind}, {Path(str(model)).name} quantized, {llm.engine.runner.dtype}, context {args.context}\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), {torch.get_num_threads()} threads, extension ISA "
              f"{cpu_capability()[0]}, torch {torch.__version__}; load {load0} before, {load_avg()} after. "
              f"Mean of {args.steps} steps under torch.profiler (its overhead is in 'rest').\n",
@@ -77,9 +79,33 @@ def main() -> int:
               f"| **step** | **{step_ms:.2f}** | |"]
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"quant_step_profile_b{args.batch}{'_' + Path(args.model).stem if args.model else ''}.md").write_text(text)
+    name = f"p{args.prefill}" if args.prefill else f"b{args.batch}"
+    (RESULTS / f"quant_step_profile_{name}{'_' + Path(args.model).stem if args.model else ''}.md").write_text(text)
     print(text)
     return 0
+
+
+def decode_step(llm: LLM, prompt, args):
+    """A timed decode step of args.batch requests, once their prompts are computed."""
+    for _ in range(args.batch):
+        llm.submit(prompt(), SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True))
+    step_until_decoding(llm)
+    return lambda: timed(llm.step)
+
+
+def prefill_step(llm: LLM, prompt, prompts: int):
+    """A timed step that prefills `prompts` new prompts (their submission not timed)."""
+    def step() -> float:
+        for _ in range(prompts):
+            llm.submit(prompt(), SamplingParams(temperature=0, max_tokens=1))
+        return timed(llm.step)
+    return step
+
+
+def timed(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
