@@ -9,9 +9,9 @@ The extension is compiled on first use with torch.utils.cpp_extension (needs a C
 OpenMP, and ninja), once per process, and cached on disk: TORCH_EXTENSIONS_DIR if set, else
 ~/.cache/kaiten/torch_extensions, under the torch version. The build targets the CPU it runs on
 (AVX-512 with bf16, AVX-512, AVX2, else at::vec's portable code; KAITEN_CPU_ISA forces one), and
-the capability and a digest of the sources, flags and compiler are part of the extension's name:
-machines and kernel versions that share the cache get builds of their own, and every checkout of
-the same kernels (a worktree, a CI clone) loads the one build. cpp_attention_available() says whether the kernel can be used;
+the capability and a digest of the sources, flags, compiler and Python ABI are part of the
+extension's name: machines and kernel versions that share the cache get builds of their own, and
+every checkout and venv of the same kernels (a worktree, a CI clone) imports the one build. cpp_attention_available() says whether the kernel can be used;
 get_attention_backend("auto") falls back to the torch backend when it cannot.
 
 The extension also registers dispatcher ops for compiled graphs (kaiten_cpu::paged_attention,
@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -46,6 +47,7 @@ _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "packed_linear_cpu.cpp", 
             _CSRC / "bf16_linear_cpu.cpp", _CSRC / "lora_cpu.cpp"]
 # The loaded extension module, or the reason it could not be built (per process).
 _EXTENSION_CACHE: dict[str, object] = {}
+_BUILT = ".kaiten-built"     # in a build directory, once its build has finished: the library's file name
 
 
 def _cpu_flags() -> set[str]:
@@ -121,11 +123,12 @@ def _compiler_id(cxx: str) -> bytes:
 
 
 def _source_digest(files: dict[str, bytes], cflags: list[str], cxx: str) -> str:
-    """A digest of the kernel sources, their flags and the compiler, part of the extension's name:
+    """A digest of the kernel sources, their flags, the compiler and the Python ABI, part of the
+    extension's name (the torch version names the folder above it):
     checkouts with different kernels (another branch, an older release) never load each other's
     build from the shared cache, and checkouts of the same kernels share one."""
     key = b"".join(name.encode() + b"\0" + data for name, data in files.items())
-    key += " ".join(cflags).encode() + _compiler_id(cxx)
+    key += " ".join(cflags).encode() + _compiler_id(cxx) + sys.implementation.cache_tag.encode()
     return hashlib.sha1(key).hexdigest()[:12]
 
 
@@ -140,6 +143,20 @@ def _stage_sources(build_dir: Path, files: dict[str, bytes]) -> list[str]:
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(data)
     return [str(build_dir / "src" / p.relative_to(_CSRC)) for p in _SOURCES]
+
+
+def _import_built(build_dir: Path, name: str):
+    """The finished build's module, imported as it is, or None where there is none. cpp_extension.load
+    would run ninja again, which rebuilds whenever its command changed: torch's include paths name
+    the venv, so every venv (a CI clone's) would rebuild the same kernels. The digest in the name
+    already covers what the build depends on."""
+    marker = build_dir / _BUILT
+    if not marker.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, build_dir / marker.read_text())
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager
@@ -183,11 +200,13 @@ def load_extension():
         files = _kernel_files()
         name = f"kaiten_paged_attention_{cap.replace('+', '_')}_{_source_digest(files, cflags, cxx)}"
         build_dir = _build_dir(name)
-        if not any(build_dir.glob(f"{name}*.so")):
-            log.info("building the CPU attention kernel (%s) in %s ...", cap, build_dir)
         with _build_lock(build_dir):
-            module = cpp_extension.load(name=name, sources=_stage_sources(build_dir, files), **build_flags(cflags),
-                                        build_directory=str(build_dir), verbose=False)
+            module = _import_built(build_dir, name)
+            if module is None:
+                log.info("building the CPU attention kernel (%s) in %s ...", cap, build_dir)
+                module = cpp_extension.load(name=name, sources=_stage_sources(build_dir, files),
+                                            **build_flags(cflags), build_directory=str(build_dir), verbose=False)
+                (build_dir / _BUILT).write_text(Path(module.__file__).name)
     except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
         _EXTENSION_CACHE["error"] = f"{type(e).__name__}: {e}"
         raise
