@@ -1,10 +1,11 @@
 """Start-up from a new GGUF file (conversion + engine load, compile warm-up included) and the
 engine's resident weight bytes against the GGUF's tensor bytes, --quantization auto vs none, for
 this checkout and, as "today", another one (--baseline: a checkout, e.g. from
-`git archive BASE | tar -x -C DIR`).
+`git archive BASE | tar -x -C DIR`; one from before --quantization runs as it is, "-"). The
+issue's "today" is the commit before quantized serving: 4eec86b~1.
 
 Each run is a fresh process with an empty KAITEN_MODELS_DIR, so the file is converted anew; the
-kernel extension and Inductor caches are warm (one untimed run per checkout first), as on a
+kernel extension and Inductor caches are warm (one untimed run per variant first), as on a
 machine that has served any model before. Runs alternate between the variants, round by round,
 and the median is reported.
 
@@ -38,7 +39,7 @@ from shared.gguf_convert import ensure_converted_gguf
 model_dir = ensure_converted_gguf(sys.argv[1])
 t1 = time.perf_counter()
 from engine_worker import LLM
-llm = LLM(str(model_dir), quantization=sys.argv[2], kv_cache_memory="64MiB")
+llm = LLM(str(model_dir), kv_cache_memory="64MiB", **({"quantization": sys.argv[2]} if sys.argv[2] != "-" else {}))
 t2 = time.perf_counter()
 model = llm.engine.runner.model
 seen = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
@@ -73,12 +74,12 @@ def main() -> int:
     from bench.perplexity import default_gguf
     gguf = args.gguf or default_gguf()
     checkouts = {"this branch": HERE, "today (baseline)": args.baseline}
-    variants = [(c, q) for c in checkouts for q in ("auto", "none")]
+    variants = [(c, q) for c, path in checkouts.items() for q in quantizations(path)]
     meta = {"cpu": cpu_name(), "flags": cpu_flags(), "load_before": load_avg(), "gguf": gguf.name,
             "gguf_tensor_bytes": gguf_tensor_bytes(gguf), "gguf_file_bytes": gguf.stat().st_size,
             "baseline": str(args.baseline), "rounds": args.rounds}
-    for c in checkouts.values():                 # warm the extension and Inductor caches
-        run(c, gguf, "auto")
+    for c, q in variants:                        # warm the extension and Inductor caches
+        run(checkouts[c], gguf, q)
     runs = {f"{c} / {q}": [] for c, q in variants}
     for _ in range(args.rounds):
         for c, q in variants:
@@ -94,15 +95,21 @@ def main() -> int:
     return 0
 
 
+def quantizations(checkout: Path) -> tuple[str, ...]:
+    """auto and none where the checkout has --quantization; else "-", its only way (a checkout from
+    before quantized serving dequantizes every GGUF, as none does)."""
+    return ("auto", "none") if "quantization" in (checkout / "shared" / "config.py").read_text() else ("-",)
+
+
 def render(meta: dict, rows: dict) -> str:
-    base = rows["today (baseline) / auto"]["total_s"]
+    base = next(r for name, r in rows.items() if name.startswith("today"))["total_s"]
     lines = ["# Start-up from a new GGUF file and resident weights\n",
              f"CPU: {meta['cpu']} ({', '.join(meta['flags'])}); load average {meta['load_before']} before, "
              f"{meta['load_after']} after; median of {meta['rounds']} interleaved rounds, each a fresh process "
              f"with an empty models dir (kernel and Inductor caches warm). {meta['gguf']}: "
              f"{meta['gguf_tensor_bytes'] / 1e6:.1f} MB of tensors ({meta['gguf_file_bytes'] / 1e6:.1f} MB file). "
              f"Today: {meta['baseline']}.\n",
-             "| checkout / quantization | compute dtype | convert s | load s | start-up s | vs today auto | "
+             "| checkout / quantization | compute dtype | convert s | load s | start-up s | vs today | "
              "resident weights MB | / GGUF tensors | max RSS MB |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
