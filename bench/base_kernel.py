@@ -6,12 +6,13 @@ processes minutes apart differed by up to 1.7x (Zen 3, 2026-11-28).
 The revision's kernels/csrc is read with `git archive`; the source's ops are registered under
 kaiten_ab_<source name> instead of kaiten_cpu, and it is built with the extension's own flags for
 this machine's ISA (kernels/cpu_attention.cpu_capability, build_flags), the headers beside it as in
-the checkout, once per source, headers and flags (~/.cache/kaiten/kernel_ab).
+the checkout, once per source, headers, flags and compiler (~/.cache/kaiten/kernel_ab, named and
+staged as the extension's own build is: kernel_digest, stage_files).
 """
 from __future__ import annotations
 
-import hashlib
 import io
+import os
 import re
 import subprocess
 import tarfile
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_attention import build_flags, cpu_capability
+from kernels.cpu_attention import build_flags, cpu_capability, kernel_digest, stage_files
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = "kernels/csrc"
@@ -39,17 +40,12 @@ def base_ops(rev: str, source: str):
     renamed = re.sub(r"TORCH_LIBRARY_(FRAGMENT|IMPL)\(kaiten_cpu\b", rf"TORCH_LIBRARY_\1({namespace}", text)
     if renamed == text:
         raise SystemExit(f"{rev}:{path} registers no kaiten_cpu ops to rename")
-    headers = {name: data for name, data in sorted(files.items()) if name.endswith(".h")}
+    build_files = {str(Path(name).relative_to(CSRC)): data for name, data in sorted(files.items()) if name.endswith(".h")}
+    build_files[source] = renamed.encode()
     cap, cflags = cpu_capability()
-    digest = hashlib.sha1(renamed.encode() + b"".join(headers.values()) + " ".join(cflags).encode()).hexdigest()[:12]
-    name = f"{namespace}_{cap}_{digest}"
+    name = f"{namespace}_{cap}_{kernel_digest(build_files, cflags, os.environ.get('CXX', 'c++'))}"
     build = BUILDS / name
-    for header, data in headers.items():
-        dst = build / Path(header).relative_to(CSRC)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(data)
-    build.mkdir(parents=True, exist_ok=True)
-    (build / source).write_text(renamed)
+    stage_files(build, build_files)
     from torch.utils import cpp_extension
     cpp_extension.load(name=name, sources=[str(build / source)], **build_flags(cflags), build_directory=str(build),
                        is_python_module=False, verbose=False)

@@ -122,27 +122,26 @@ def _compiler_id(cxx: str) -> bytes:
     return out.stdout.split(b"\n", 1)[0]
 
 
-def _source_digest(files: dict[str, bytes], cflags: list[str], cxx: str) -> str:
-    """A digest of the kernel sources, their flags, the compiler and the Python ABI, part of the
-    extension's name (the torch version names the folder above it):
-    checkouts with different kernels (another branch, an older release) never load each other's
-    build from the shared cache, and checkouts of the same kernels share one."""
+def kernel_digest(files: dict[str, bytes], cflags: list[str], cxx: str) -> str:
+    """A digest of kernel sources (by path under csrc/), their flags, the compiler and the Python
+    ABI, part of a build's name (the torch version names the folder above it): checkouts with
+    different kernels (another branch, an older release) never load each other's build from the
+    shared cache, and checkouts of the same kernels share one."""
     key = b"".join(name.encode() + b"\0" + data for name, data in files.items())
     key += " ".join(cflags).encode() + _compiler_id(cxx) + sys.implementation.cache_tag.encode()
     return hashlib.sha1(key).hexdigest()[:12]
 
 
-def _stage_sources(build_dir: Path, files: dict[str, bytes]) -> list[str]:
-    """The sources copied into the build directory, the paths cpp_extension builds from: its
+def stage_files(folder: Path, files: dict[str, bytes]) -> None:
+    """Kernel sources copied into a build's folder, which cpp_extension then builds from: its
     build.ninja names sources by absolute path, so building from the checkout would tie the build
     to one folder. A file is written only when its bytes differ, so ninja (by mtime) finds a
     finished build up to date."""
     for name, data in files.items():
-        dst = build_dir / "src" / name
+        dst = folder / name
         if not dst.exists() or dst.read_bytes() != data:
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(data)
-    return [str(build_dir / "src" / p.relative_to(_CSRC)) for p in _SOURCES]
 
 
 def _import_built(build_dir: Path, name: str):
@@ -198,14 +197,16 @@ def load_extension():
             raise RuntimeError("ninja is not installed (pip install ninja, or apt-get install ninja-build)")
         cap, cflags = cpu_capability()
         files = _kernel_files()
-        name = f"kaiten_paged_attention_{cap.replace('+', '_')}_{_source_digest(files, cflags, cxx)}"
+        name = f"kaiten_paged_attention_{cap.replace('+', '_')}_{kernel_digest(files, cflags, cxx)}"
         build_dir = _build_dir(name)
         with _build_lock(build_dir):
             module = _import_built(build_dir, name)
             if module is None:
                 log.info("building the CPU attention kernel (%s) in %s ...", cap, build_dir)
-                module = cpp_extension.load(name=name, sources=_stage_sources(build_dir, files),
-                                            **build_flags(cflags), build_directory=str(build_dir), verbose=False)
+                stage_files(build_dir / "src", files)
+                sources = [str(build_dir / "src" / p.relative_to(_CSRC)) for p in _SOURCES]
+                module = cpp_extension.load(name=name, sources=sources, **build_flags(cflags),
+                                            build_directory=str(build_dir), verbose=False)
                 (build_dir / _BUILT).write_text(Path(module.__file__).name)
     except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
         _EXTENSION_CACHE["error"] = f"{type(e).__name__}: {e}"

@@ -322,7 +322,7 @@ def test_checkouts_of_the_same_kernels_share_one_build(backend, tmp_path):
     header = tmp_path / "kernels" / "csrc" / "quant" / "registers.h"
     header.write_text(header.read_text() + "\n// another kernel\n")
     other = subprocess.run([sys.executable, "-c", "from kernels import cpu_attention as c; "
-                            "print(c._source_digest(c._kernel_files(), c.cpu_capability()[1], 'c++'))"],
+                            "print(c.kernel_digest(c._kernel_files(), c.cpu_capability()[1], 'c++'))"],
                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert other.returncode == 0, other.stderr[-2000:]
     assert other.stdout.strip() not in built.parent.name
