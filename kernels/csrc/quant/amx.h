@@ -8,6 +8,7 @@
 #include <unistd.h>
 #endif
 
+#include "../chunk_queue.h"
 #include "bf16_panel.h"
 
 namespace kaiten::quant {
@@ -187,20 +188,22 @@ at::Tensor amx_bf16(const Tiles& w, const at::Tensor& x) {
   const std::vector<uint32_t> xb = x_as_b_tiles(xc.data_ptr<at::BFloat16>(), m, w.k);
   at::Tensor out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, (w.tiles + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
+  parallel_chunks((w.tiles + 3) / 4, 1, [&](ChunkQueue& queue) {
     configure_tiles();
     alignas(64) at::BFloat16 a[2][16 * 32];
     alignas(64) float c_out[16 * 16];
     std::vector<float> sbuf(4 * 2 * w.scale_count());
     TileScales s[4];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t t0 = blk * 4;
-      for (int tt = 0; tt < 4 && t0 + tt < w.tiles; ++tt) s[tt] = TileScales(w, w.tile(t0 + tt), sbuf.data() + tt * 2 * w.scale_count());
-      if (blocks == 2)
-        amx_block<I, 2>(w, t0, s, xb.data(), m, a, c_out, o);
-      else
-        amx_block<I, 1>(w, t0, s, xb.data(), m, a, c_out, o);
-    }
+    int64_t b0, b1;
+    while (queue.next(b0, b1))
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t t0 = blk * 4;
+        for (int tt = 0; tt < 4 && t0 + tt < w.tiles; ++tt) s[tt] = TileScales(w, w.tile(t0 + tt), sbuf.data() + tt * 2 * w.scale_count());
+        if (blocks == 2)
+          amx_block<I, 2>(w, t0, s, xb.data(), m, a, c_out, o);
+        else
+          amx_block<I, 1>(w, t0, s, xb.data(), m, a, c_out, o);
+      }
     _tile_release();
   });
   return out.to(x.scalar_type());

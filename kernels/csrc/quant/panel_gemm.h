@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "../chunk_queue.h"
 #include "tiles.h"
 
 namespace kaiten::quant {
@@ -24,8 +25,8 @@ inline int64_t group_bytes() {
 }
 
 // The panel GEMMs, for many rows of x (prefill), in place of dequantized chunks into a library
-// GEMM: no dequantized weight leaves L2 and nothing is reordered. Threads split the weight's panels
-// of K::kPanel rows; each thread dequantizes a group of panels (about group_bytes()) into its
+// GEMM: no dequantized weight leaves L2 and nothing is reordered. Threads take the weight's panels
+// of K::kPanel rows in chunks from one queue (parallel_chunks); each thread dequantizes a group of panels (about group_bytes()) into its
 // scratch, laid out for the vector instructions (K::pack: kPanel / 2 weight rows a vector, by
 // input), and meets them with all of x, K::kRows rows at a time (K::rows): each input of a row of
 // x broadcast against a panel's two vectors, kRows x 2 accumulators summed over all of k, then
@@ -41,25 +42,27 @@ void panel_gemm(const Tiles& w, const typename K::X* x, int64_t m, int64_t ld, t
   const int64_t group = std::clamp<int64_t>(group_bytes() / (size * sizeof(typename K::P)), 1, 32);
   std::vector<typename K::X> tail(rest ? R * ld : 0);
   std::copy(x + full * ld, x + m * ld, tail.begin());
-  at::parallel_for(0, (w.tiles + kTiles - 1) / kTiles, 1, [&](int64_t b0, int64_t b1) {
+  parallel_chunks((w.tiles + kTiles - 1) / kTiles, 1, [&](ChunkQueue& queue) {
     K kernel(w);
     Aligned<typename K::P> panels(group * size);
     typename K::Out* last = out + full * w.n;
-    for (int64_t g0 = b0; g0 < b1; g0 += group) {
-      const int64_t g1 = std::min(b1, g0 + group);
-      for (int64_t b = g0; b < g1; ++b) kernel.template pack<I>(w, b * kTiles, panels.data() + (b - g0) * size);
-      const auto meet = [&](auto mr, const typename K::X* xr, int64_t rows, typename K::Out* o) {
-        for (int64_t b = g0; b < g1; ++b)
-          kernel.template rows<decltype(mr)::value>(panels.data() + (b - g0) * size, xr, ld, rows, o, w.n, b * K::kPanel);
-      };
-      for (int64_t r0 = 0; r0 < full; r0 += R) meet(std::integral_constant<int, R>{}, x + r0 * ld, R, out + r0 * w.n);
-      if (rest > 2 * R / 3)
-        meet(std::integral_constant<int, R>{}, tail.data(), rest, last);
-      else if (rest > R / 3)
-        meet(std::integral_constant<int, 2 * R / 3>{}, tail.data(), rest, last);
-      else if (rest > 0)
-        meet(std::integral_constant<int, R / 3>{}, tail.data(), rest, last);
-    }
+    int64_t c0, c1;
+    while (queue.next(c0, c1))
+      for (int64_t g0 = c0; g0 < c1; g0 += group) {
+        const int64_t g1 = std::min(c1, g0 + group);
+        for (int64_t b = g0; b < g1; ++b) kernel.template pack<I>(w, b * kTiles, panels.data() + (b - g0) * size);
+        const auto meet = [&](auto mr, const typename K::X* xr, int64_t rows, typename K::Out* o) {
+          for (int64_t b = g0; b < g1; ++b)
+            kernel.template rows<decltype(mr)::value>(panels.data() + (b - g0) * size, xr, ld, rows, o, w.n, b * K::kPanel);
+        };
+        for (int64_t r0 = 0; r0 < full; r0 += R) meet(std::integral_constant<int, R>{}, x + r0 * ld, R, out + r0 * w.n);
+        if (rest > 2 * R / 3)
+          meet(std::integral_constant<int, R>{}, tail.data(), rest, last);
+        else if (rest > R / 3)
+          meet(std::integral_constant<int, 2 * R / 3>{}, tail.data(), rest, last);
+        else if (rest > 0)
+          meet(std::integral_constant<int, R / 3>{}, tail.data(), rest, last);
+      }
   });
 }
 
