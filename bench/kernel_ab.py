@@ -5,7 +5,11 @@ a step; the two kernels alternate, the order reversed every round, and the media
 reported, by default through the int8 method (int8 activations in every row, the fp32 x path).
 
     .venv/bin/python bench/kernel_ab.py [--base HEAD] [--formats Q8_0,Q4_1] [--rows 1,8,32,256]
-        [--threads 1,2] [--method int8|registers|dense] [--rounds 15] [--out NAME]
+        [--threads 1,2] [--method int8|registers|dense] [--rounds 15] [--noise 0.1] [--out NAME]
+
+--noise F runs a neighbour process busy F of one core in bursts (bench/cpu_noise.py) throughout, as
+the gateway, Redis and the client load a served engine's cores: how much a kernel's threads lose
+when one of them is preempted.
 
 Writes bench/results/<NAME>.md (default kernel_ab).
 """
@@ -22,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.base_kernel import base_ops  # noqa: E402
+from bench.cpu_noise import busy_neighbour  # noqa: E402
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.quant_linear import NEVER, SHAPES, quantized  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
@@ -60,6 +65,7 @@ def main() -> int:
     ap.add_argument("--method", default="int8", choices=list(METHODS))
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--noise", type=float, default=0.0, help="a neighbour busy this fraction of one core")
     ap.add_argument("--out", default="kernel_ab")
     args = ap.parse_args()
     load_extension()
@@ -67,7 +73,8 @@ def main() -> int:
     lines = [f"# quant_linear: the working tree against {args.base}, in one process\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), extension ISA {cpu_capability()[0]}, torch "
              f"{torch.__version__}, load before {load_avg()}. Method: {args.method}; fp32 x; {args.copies} copies of "
-             f"each shape; median of {args.rounds} interleaved rounds. GMAC/s; ratio: working tree / base.\n",
+             f"each shape; median of {args.rounds} interleaved rounds; a neighbour process busy {args.noise:.0%} of a "
+             "core. GMAC/s; ratio: working tree / base.\n",
              "| threads | format | shape | rows | base GMAC/s | working tree GMAC/s | ratio |",
              "|---:|---|---|---:|---:|---:|---:|"]
     for threads in (int(t) for t in args.threads.split(",")):
@@ -77,7 +84,8 @@ def main() -> int:
                 n, k, _ = SHAPES[label]
                 layers = [QuantLinear(quantized(fmt, n, k, seed)) for seed in range(args.copies)]
                 for m in (int(r) for r in args.rows.split(",")):
-                    t = interleaved(ops, layers, torch.randn(m, k), args.method, args.rounds)
+                    with busy_neighbour(args.noise):
+                        t = interleaved(ops, layers, torch.randn(m, k), args.method, args.rounds)
                     g = {name: args.copies * n * k * m / s / 1e9 for name, s in t.items()}
                     row = (f"| {threads} | {fmt} | {label} | {m} | {g['base']:.1f} | {g['working tree']:.1f} | "
                            f"{g['working tree'] / g['base']:.2f} |")

