@@ -184,9 +184,10 @@ def test_pool_threads_in_inference_mode(method):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,int8_rows", [(3, 0), (20, 0), (20, NEVER), (70, 0)])
 def test_output_does_not_depend_on_how_threads_share_the_weight(rows, int8_rows, dtype):
-    """Threads take a weight's tiles (panels) in shrinking chunks from one queue. With 1, 2, 3 and
-    5 threads on this machine's cores (more threads than cores interleave their claims), every
-    method gives the same bytes: each output is computed whole by whichever thread took its tiles.
+    """Threads take a weight's panels in shrinking chunks from one queue (few rows: equal shares of
+    its tiles). With 1, 2, 3 and 5 threads on this machine's cores (more threads than cores
+    interleave their claims), every method gives the same bytes: each output is computed whole by
+    whichever thread took its tiles.
     3 rows: registers; 20: the registers or, with int8_rows, the int8 panel GEMM; 70: the dense
     method. 1000 weight rows: 250 tiles, 62 panels of 16 or 31 of 32."""
     lin = layer("Q8_0", 1000, 256)

@@ -38,7 +38,8 @@
 //   rounded to bf16 (as the dense bf16 GEMM rounds its weights) and kept in L1 scratch for all the
 //   rows of x, multiplied by bf16 dot products (vdpbf16ps: 32 products per instruction, summed in
 //   fp32), twice the multiplies of an fp32 FMA.
-// Threads take the tiles (the panels) in shrinking chunks from one queue (chunk_queue.h).
+// Threads take the panels (and AMX tile blocks) in shrinking chunks from one queue (chunk_queue.h);
+// fewer rows, bound by memory, split the tiles in equal shares.
 //
 // Each method in its own header under quant/: tiles.h (the layout, dequantizing, what all share),
 // registers.h (fp32 and bf16 x in registers), int8_x.h (x rounded to int8) with int8_block.h and

@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 #include <vector>
 
-#include "../chunk_queue.h"
 #include "../with_rows.h"
 #include "tiles.h"
 
@@ -133,32 +132,31 @@ inline void add_mins(const float* mins, const float* xsums, int64_t count, float
   for (int l = 0; l < VL; ++l) y[l % kTileRows] += lanes[l];
 }
 
-// Threads take the tiles in chunks from one queue (parallel_chunks); a thread meets each of its
-// tiles with all m rows of x, kRowBlock rows at a time: block(s, tile, wt, r0, rows, y) fills
-// y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows from the tile (its scales widened to fp32 in s
-// where kWiden); wt: the thread's scratch of `scratch` Ts, or nullptr. out is in x's dtype O, so no call converts a whole output.
+// Threads split the tiles in equal shares, not by chunk_queue.h's chunks: few rows of x are bound
+// by memory, and the chunks made a one-row decode step 1.14x as long (likely each new chunk
+// restarting the prefetchers' streams; 2-core Xeon, bench/engine_steps_ab.py). A thread meets each
+// of its tiles with all m rows of x, kRowBlock rows at a time: block(s, tile, wt, r0, rows, y)
+// fills y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows from the tile (its scales widened to
+// fp32 in s where kWiden); wt: the thread's scratch of `scratch` Ts, or nullptr. out is in x's
+// dtype O, so no call converts a whole output.
 template <typename T, bool kWiden = true, typename O, typename Block>
 void over_tiles(const Tiles& w, int64_t m, int64_t scratch, O* out, const Block& block) {
-  // chunks of at least a 16th of the weight: a few rows of x are bound by memory, and every chunk
-  // restarts the hardware prefetcher's stream
-  const int64_t grain = std::max<int64_t>({2, 4096 / w.k, w.tiles / 16});
-  parallel_chunks(w.tiles, grain, [&](ChunkQueue& queue) {
+  const int64_t grain = std::max<int64_t>(2, 4096 / w.k);
+  at::parallel_for(0, w.tiles, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> sbuf(kWiden ? 2 * w.scale_count() : 0);
     std::vector<T> wt(scratch);
     float y[kRowBlock][kTileRows];
-    int64_t t0, t1;
-    while (queue.next(t0, t1))
-      for (int64_t t = t0; t < t1; ++t) {
-        const uint8_t* tile = w.tile(t);
-        const TileScales s = kWiden ? TileScales(w, tile, sbuf.data()) : TileScales();
-        for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-          const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
-          block(s, tile, wt.empty() ? nullptr : wt.data(), r0, rows, y);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i)
-              out[(r0 + r) * w.n + t * kTileRows + i] = static_cast<O>(y[r][i]);   // nearest even, as Tensor::to
-        }
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = w.tile(t);
+      const TileScales s = kWiden ? TileScales(w, tile, sbuf.data()) : TileScales();
+      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+        const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
+        block(s, tile, wt.empty() ? nullptr : wt.data(), r0, rows, y);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i)
+            out[(r0 + r) * w.n + t * kTileRows + i] = static_cast<O>(y[r][i]);   // nearest even, as Tensor::to
       }
+    }
   });
 }
 
