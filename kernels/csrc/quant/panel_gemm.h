@@ -26,11 +26,11 @@ inline int64_t group_bytes() {
 
 // The panel GEMMs, for many rows of x (prefill), in place of dequantized chunks into a library
 // GEMM: no dequantized weight leaves L2 and nothing is reordered. Threads take the weight's panels
-// of K::kPanel rows in chunks from one queue (parallel_chunks); each thread dequantizes a group of panels (about group_bytes()) into its
-// scratch, laid out for the vector instructions (K::pack: kPanel / 2 weight rows a vector, by
-// input), and meets them with all of x, K::kRows rows at a time (K::rows): each input of a row of
-// x broadcast against a panel's two vectors, kRows x 2 accumulators summed over all of k, then
-// stored as rows of the output. Those rows of x meet every panel of the group while they are in
+// of K::kPanel rows in chunks from one queue (parallel_chunks); each thread dequantizes a group of
+// panels (about group_bytes()) into its scratch, laid out for the vector instructions (K::pack:
+// kPanel / 2 weight rows a vector, by input), and meets them with all of x, K::kRows rows at a
+// time (K::rows): each input of a row of x broadcast against a panel's two vectors, kRows x 2
+// accumulators summed over all of k, then stored as rows of the output. Those rows of x meet every panel of the group while they are in
 // L1, so x, which outgrows L2 in a long prefill, is read once a group rather than once a panel.
 // The last rows of x come from a copy padded with zero rows (a third, two thirds or all of kRows
 // computed, the valid ones stored). x: m rows of `ld` elements of K::X.
