@@ -14,7 +14,6 @@ Writes bench/results/attention_layout.{md,json}.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.attention_one_stream import BLOCKS, BS, D, HKV, HQ, LAYERS, RESULTS  # noqa: E402
+from bench.attention_one_stream import BLOCKS, BS, D, HKV, HQ, LAYERS, RESULTS, decode_meta  # noqa: E402
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.results_files import write_results  # noqa: E402
 from engine_worker.model.host_memory import zeros_on_huge_pages  # noqa: E402
@@ -54,11 +53,7 @@ def main() -> None:
         for h, pair in enumerate(heads):
             for dst, src in zip(pair, layer):
                 dst.copy_(src[:, :, h:h + 1])
-    rng = random.Random(0)
-    nblk = -(-args.context // BS)
-    blocks = rng.sample(range(BLOCKS), nblk * args.batch)
-    meta = (torch.arange(args.batch + 1, dtype=torch.int32), torch.full((args.batch,), args.context, dtype=torch.int32),
-            torch.tensor([blocks[i * nblk:(i + 1) * nblk] for i in range(args.batch)], dtype=torch.int32))
+    meta = decode_meta(args.batch, args.context)
     q = torch.randn(args.batch, HQ, D)
     q_heads = [q[:, G * h:G * (h + 1)].contiguous() for h in range(HKV)]
     attend = lambda qq, k, v: torch.ops.kaiten_cpu.paged_attention(qq, k, v, *meta, D ** -0.5)   # noqa: E731

@@ -38,14 +38,19 @@ CASES = [(1, 256), (1, 1024), (4, 1024), (32, 384)]     # (sequences, context)
 CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def step_ms(caches, flush, batch: int, ctx: int, reps: int) -> float:
-    """Median over reps of the kernel's time summed over the layers (the flush is not timed)."""
+def decode_meta(batch: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cu_seqlens_q, seqlens_k and block tables of `batch` decodes at context `ctx`, each on its
+    own random blocks of the cache (the same for the same case)."""
     rng = random.Random(batch * 100_000 + ctx)
     nblk = -(-ctx // BS)
     blocks = rng.sample(range(BLOCKS), nblk * batch)
     tables = torch.tensor([blocks[i * nblk:(i + 1) * nblk] for i in range(batch)], dtype=torch.int32)
-    cu = torch.arange(batch + 1, dtype=torch.int32)
-    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    return torch.arange(batch + 1, dtype=torch.int32), torch.full((batch,), ctx, dtype=torch.int32), tables
+
+
+def step_ms(caches, flush, batch: int, ctx: int, reps: int) -> float:
+    """Median over reps of the kernel's time summed over the layers (the flush is not timed)."""
+    cu, lens, tables = decode_meta(batch, ctx)
     q = torch.randn(batch, HQ, D)
     totals = []
     for _ in range(reps):
