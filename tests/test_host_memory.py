@@ -33,3 +33,39 @@ def test_the_cpu_engine_cache_uses_them(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32", enforce_eager=True, kv_cache_memory=64 * 2**20)
     k_cache, v_cache = llm.engine.runner.kv_caches[0]
     assert k_cache.data_ptr() % (2 << 20) == 0 and v_cache.data_ptr() % (2 << 20) == 0
+
+
+def test_weights_move_into_one_mapping_unchanged():
+    from torch import nn
+
+    from engine_worker.model.host_memory import onto_huge_pages
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.a, m.b = nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False)
+    m.b.weight = m.a.weight                                   # tied
+    m.small = nn.Linear(8, 8)                                 # under min_bytes: stays
+    m.register_buffer("table", torch.arange(70001, dtype=torch.int32))
+    m.register_buffer("strided", torch.randn(512, 256)[:, :128])     # not contiguous: stays
+    before = {name: t.clone() for name, t in m.state_dict().items()}
+    small, strided = m.small.weight.data_ptr(), m.strided.data_ptr()
+
+    assert onto_huge_pages(m) == 256 * 256 * 4 + 70016 * 4   # each rounded up to 64 bytes
+    assert all(torch.equal(t, before[name]) for name, t in m.state_dict().items())
+    assert isinstance(m.a.weight, nn.Parameter) and m.a.weight.requires_grad and m.b.weight is m.a.weight
+    assert m.small.weight.data_ptr() == small and m.strided.data_ptr() == strided
+    w, table = m.a.weight, m.table
+    assert w.storage_offset() == 0 and table.storage_offset() == 0       # each its own storage
+    first, second = sorted((w, table), key=torch.Tensor.data_ptr)        # one mapping, in turn
+    assert second.data_ptr() == first.data_ptr() + -(-first.nbytes // 64) * 64
+    if sys.platform.startswith("linux"):
+        assert first.data_ptr() % (2 << 20) == 0
+    assert m.a(torch.ones(1, 256)).shape == (1, 256)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked for on Linux only")
+def test_the_cpu_engine_weights_use_them(tiny_model_dir):
+    from engine_worker import LLM
+    llm = LLM(str(tiny_model_dir), dtype="float32", enforce_eager=True, kv_cache_memory=64 * 2**20)
+    model = llm.engine.runner.model
+    large = [t for t in [*model.parameters(), *model.buffers()] if t.layout == torch.strided and t.nbytes >= 64 << 10]
+    assert large and min(t.data_ptr() for t in large) % (2 << 20) == 0

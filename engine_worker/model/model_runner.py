@@ -11,7 +11,7 @@ from engine_worker.engine.scheduler import ScheduledBatch
 from engine_worker.model.compiled_forward import CompiledForward
 from engine_worker.model.cuda_graphs import DecodeGraphRunner
 from engine_worker.model.dtype_choice import DEFAULT_SHAPES, cpu_auto_dtype
-from engine_worker.model.host_memory import zeros_on_huge_pages
+from engine_worker.model.host_memory import onto_huge_pages, zeros_on_huge_pages
 from engine_worker.model.llama import LlamaForCausalLM, ModelConfig, PackedLinear, stored_in_bf16
 from engine_worker.model.lora_layers import LoraBatch, projection_shapes
 from kernels.cpu_attention import cpp_attention_available
@@ -80,6 +80,8 @@ class ModelRunner:
         self.model.eval()
         if config.pack_cpu_weights and PackedLinear.supported(self.device, self.dtype):
             self.model.pack_for_cpu()
+        if self.device.type == "cpu":
+            onto_huge_pages(self.model)
         self.max_loras, self.max_lora_rank = config.max_loras, config.max_lora_rank
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
