@@ -336,7 +336,7 @@ def test_serve_two_models_behind_one_gateway(tiny_model_dir, tmp_path):
         text = _wait_banner(proc)
         assert "Kaiten is up" in text and f"Models: first, {other.name}" in text, text
         base = f"http://127.0.0.1:{port}"
-        for _ in range(100):            # /ready needs one engine; wait for both
+        for _ in range(300):            # /ready needs one engine; wait for both (each compiles: 60 s)
             cards = {c["id"]: c for c in _get(f"{base}/v1/models")[1]["data"]}
             if all(c["engines"] == 1 for c in cards.values()):
                 break
