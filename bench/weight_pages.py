@@ -1,8 +1,9 @@
 """Decode steps with the weights on huge pages (as the engine keeps them: host_memory.onto_huge_pages)
-against the same weights on 4 KiB pages, in one process: after the engine is built, each moved
-weight gets a copy in a mapping advised MADV_NOHUGEPAGE, and the rounds swap the model's tensors
-between the two sets (same shapes, strides and bytes, so the compiled forward runs both), timing
---steps decode steps of --batch requests each, the order reversed every round.
+against the same weights on 4 KiB pages, in one process: after the engine is built, the weights are
+moved again (host_memory.into_one_mapping) into a mapping advised MADV_NOHUGEPAGE, and the rounds
+swap the model's tensors between the two sets (same shapes, strides and bytes, so the compiled
+forward runs both), timing --steps decode steps of --batch requests each, the order reversed every
+round.
 
     .venv/bin/python bench/weight_pages.py [--model GGUF] [--batch 1,32] [--rounds 20] [--steps 5]
         [--dtype auto] [--threads 0] [--out NAME]
@@ -26,37 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_throughput import step_until_decoding  # noqa: E402
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
+from engine_worker.model.host_memory import into_one_mapping, movable_weights  # noqa: E402
 from kernels.cpu_attention import cpu_capability  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-HUGE = 2 << 20
 
 
-def huge_page_weights(model: torch.nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
-    """(the dict that holds it, its name, the tensor) for each tensor on the 2 MiB-aligned mapping."""
-    found = []
-    for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
-            found += [(tensors, name, t) for name, t in tensors.items()
-                      if t is not None and t.layout == torch.strided and t.nbytes >= 64 << 10]
-    start = min(t.data_ptr() for *_, t in found)
-    if start % HUGE:
-        raise SystemExit("the engine's weights are not on a 2 MiB-aligned mapping: nothing to compare")
-    return found
-
-
-def small_page_copies(weights: list[tuple[dict, str, torch.Tensor]]) -> list[tuple[dict, str, torch.Tensor]]:
-    """The same tensors copied into one mapping advised never to use huge pages."""
-    total = sum(-(-t.nbytes // 64) * 64 for *_, t in weights)
-    buf = mmap.mmap(-1, total + 64, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_NOHUGEPAGE)
-    offset, out = 0, []
-    for tensors, name, t in weights:
-        copy = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
-        copy.copy_(t)
-        out.append((tensors, name, torch.nn.Parameter(copy, requires_grad=False) if isinstance(t, torch.nn.Parameter) else copy))
-        offset += -(-t.nbytes // 64) * 64
-    return out
+def weight_set(model: torch.nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+    """(the dict that holds it, its name, the tensor) for each of the model's movable weights."""
+    return [(tensors, name, tensors[name]) for refs in movable_weights(model).values() for tensors, name in refs]
 
 
 def use(weights) -> None:
@@ -104,8 +83,11 @@ def main() -> int:
     load0 = load_avg()
     model = ensure_converted_gguf(args.model) if args.model.endswith(".gguf") else args.model or ensure_default_model()
     llm = LLM(str(model), max_num_seqs=64, kv_cache_memory="512MiB", dtype=args.dtype, num_threads=args.threads)
-    huge = huge_page_weights(llm.engine.runner.model)
-    sets = {"huge pages": huge, "4 KiB pages": small_page_copies(huge)}
+    huge = weight_set(llm.engine.runner.model)
+    if min(t.data_ptr() for *_, t in huge) % (2 << 20):
+        raise SystemExit("the engine's weights are not on a 2 MiB-aligned mapping: nothing to compare")
+    into_one_mapping(llm.engine.runner.model, mmap.MADV_NOHUGEPAGE)    # the huge set stays alive in `huge`
+    sets = {"huge pages": huge, "4 KiB pages": weight_set(llm.engine.runner.model)}
     lines = [f"# Decode steps, weights on huge pages against 4 KiB pages, {Path(str(model)).name}, "
              f"{llm.engine.runner.dtype}\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), {torch.get_num_threads()} threads, extension ISA "

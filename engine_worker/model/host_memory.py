@@ -30,30 +30,40 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     nbytes = math.prod(shape) * dtype.itemsize
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < _HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    buf, start = _huge_page_mapping(nbytes, nbytes // _HUGE_PAGE * _HUGE_PAGE)
+    buf, start = _aligned_mapping(nbytes, nbytes // _HUGE_PAGE * _HUGE_PAGE, mmap.MADV_HUGEPAGE)
     out = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=start).view(shape)
     return out.zero_()                  # commits the memory now, as torch.zeros does
 
 
 def onto_huge_pages(model: nn.Module, min_bytes: int = 64 << 10) -> int:
-    """Moves model's CPU weights (parameters and buffers of at least min_bytes, each filling its
-    own storage; tied ones stay tied) into one mapping advised as huge pages, each still its own
-    storage at offset 0, 64-byte aligned, its bytes unchanged. Returns the bytes moved. A
-    weight's old memory is freed as it moves, so a load needs about one weight more, not twice
-    the model. Where mmap has no MADV_HUGEPAGE, nothing moves."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return 0
-    owners: dict[int, list[tuple[dict, str]]] = {}      # by storage: where each tensor on it is held
+    """Moves model's movable_weights into one mapping advised as huge pages (into_one_mapping).
+    Returns the bytes moved; where mmap has no MADV_HUGEPAGE, nothing moves."""
+    return into_one_mapping(model, mmap.MADV_HUGEPAGE, min_bytes) if hasattr(mmap, "MADV_HUGEPAGE") else 0
+
+
+def movable_weights(model: nn.Module, min_bytes: int = 64 << 10) -> dict[int, list[tuple[dict, str]]]:
+    """model's CPU parameters and buffers of at least min_bytes that fill their own storage, by
+    storage: the dict that holds each tensor on it and its name there."""
+    owners: dict[int, list[tuple[dict, str]]] = {}
     for module in model.modules():
         for tensors in (module._parameters, module._buffers):
             for name, t in tensors.items():
                 if _movable(t, min_bytes):
                     owners.setdefault(t.untyped_storage().data_ptr(), []).append((tensors, name))
-    sizes = [-(-tensors[name].nbytes // 64) * 64 for (tensors, name), *_ in owners.values()]
+    return owners
+
+
+def into_one_mapping(model: nn.Module, advice: int, min_bytes: int = 64 << 10) -> int:
+    """Moves model's movable_weights into one mapping advised `advice` (an mmap.MADV_* value)
+    before its first touch, each still its own storage at offset 0, 64-byte aligned, its bytes
+    unchanged; tied ones stay tied. Returns the bytes moved. A weight's old memory is freed as it
+    moves, so a load needs about one weight more, not twice the model."""
+    owners = movable_weights(model, min_bytes)
+    sizes = [_padded(tensors[name].nbytes) for (tensors, name), *_ in owners.values()]
     total = sum(sizes)
     if not total:
         return 0
-    buf, offset = _huge_page_mapping(total, -(-total // _HUGE_PAGE) * _HUGE_PAGE)
+    buf, offset = _aligned_mapping(total, _padded(total, _HUGE_PAGE), advice)
     with torch.no_grad():
         for refs, size in zip(owners.values(), sizes):
             moved: dict[int, torch.Tensor] = {}             # a tied Parameter stays one object
@@ -79,13 +89,17 @@ def _movable(t: torch.Tensor | None, min_bytes: int) -> bool:
             and t.untyped_storage().nbytes() == t.nbytes >= min_bytes)
 
 
-def _huge_page_mapping(nbytes: int, advised: int) -> tuple[mmap.mmap, int]:
+def _padded(nbytes: int, unit: int = 64) -> int:
+    return -(-nbytes // unit) * unit
+
+
+def _aligned_mapping(nbytes: int, advised: int, advice: int) -> tuple[mmap.mmap, int]:
     """A private anonymous mapping with room for nbytes from its first 2 MiB boundary (returned
-    with it), `advised` bytes from there advised as huge pages before their first touch; where the
-    kernel refuses the advice, small pages."""
+    with it), `advised` bytes from there given `advice` before their first touch; where the kernel
+    refuses the advice, the mapping as it is."""
     buf = mmap.mmap(-1, max(nbytes, advised) + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr() % _HUGE_PAGE
     if advised:
         with contextlib.suppress(OSError):
-            buf.madvise(mmap.MADV_HUGEPAGE, start, advised)
+            buf.madvise(advice, start, advised)
     return buf, start
