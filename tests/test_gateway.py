@@ -618,11 +618,13 @@ def test_admission_control(own_redis, tiny_model_dir):
             resp = c.post("/v1/completions", json=body)
             assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1, resp.text
             assert resp.json()["error"]["type"] == "rate_limit_error"
+            # admission reads the model's view, which a poll publishes after monitor.load()'s table
+            view_tokens = lambda: srv.gw.monitor.view(tiny_model_dir.name).load.get("num_waiting_tokens")  # noqa: E731
             eng.set_heartbeat(num_waiting=1, num_waiting_tokens=5000)
-            wait_until(lambda: srv.gw.monitor.load()["num_waiting_tokens"] == 5000, 5)
+            wait_until(lambda: view_tokens() == 5000, 5)
             assert c.post("/v1/completions", json=body).status_code == 429
             eng.set_heartbeat()
-            wait_until(lambda: srv.gw.monitor.load()["num_waiting_tokens"] == 0, 5)
+            wait_until(lambda: view_tokens() == 0, 5)
             assert c.post("/v1/completions", json=body).status_code == 200
         finally:
             eng.stop()
