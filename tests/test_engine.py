@@ -195,6 +195,29 @@ def test_models_of_one_structure_share_one_compiled_forward(tiny_model_dir, prom
     assert [c.token_ids for c in first.generate(prompts[:4], greedy())] == expected[:4]
 
 
+def test_compiled_graph_takes_one_size_per_length(tiny_model_dir, prompts, expected, monkeypatch):
+    """The compiled forward's dynamic sizes are one per length, not one per tensor: the token
+    count (ids, positions, slots), the batch (cu_seqlens_q's B+1; seqlens_k and the block
+    tables' B), the tables' width and the KV pool's blocks, every layer's K and V pool alike
+    (each a size of its own was an int argument a step for every cache)."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from engine_worker.model import compiled_forward
+
+    inputs = []
+    compile_fx = compile_fx_module.compile_fx
+
+    def recording(gm, example_inputs, *args, **kwargs):
+        inputs.append(example_inputs)
+        return compile_fx(gm, example_inputs, *args, **kwargs)
+    monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
+    monkeypatch.setattr(compiled_forward, "COMPILED_FORWARD_CACHE", {})   # a fresh trace
+    llm = make_llm(tiny_model_dir)
+    assert len(llm.engine.runner.kv_caches) == 2 and inputs     # (cpp_wrapper compiles re-enter compile_fx)
+    sizes = [x for x in inputs[0] if isinstance(x, (int, torch.SymInt))]
+    assert len(sizes) == 5, sizes
+    assert [c.token_ids for c in llm.generate(prompts[:4], greedy())] == expected[:4]
+
+
 def test_attention_ops_outside_a_step_match_the_backend():
     """The compiled forward's custom ops, called without a step context, find the backend by
     name and rebuild the metadata from its tensors; pad rows (slot -1) write no KV."""

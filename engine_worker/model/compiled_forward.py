@@ -219,9 +219,11 @@ class CompiledForward:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.dtype, self.max_loras = dtype, max_loras           # the activations' dtype (the cache's may differ)
         self.ops = backend if backend.compile_safe else OpAttention(backend.name)
-        for k_cache, v_cache in kv_caches:          # the pool's size differs between engines
-            torch._dynamo.decorators.mark_unbacked(k_cache, 0)
-            torch._dynamo.decorators.mark_unbacked(v_cache, 0)
+        # The pool's size differs between engines; every layer's K and V pool has the same one, a
+        # single size the graph takes (a size of its own for each was 60 int arguments a step).
+        for k_cache, v_cache in kv_caches:
+            torch._dynamo.decorators.mark_unbacked(k_cache, 0, shape_id="kv_blocks")
+            torch._dynamo.decorators.mark_unbacked(v_cache, 0, shape_id="kv_blocks")
         self._fns: dict[bool, Callable] = {}        # by "the step has adapter tokens"
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
@@ -236,10 +238,13 @@ class CompiledForward:
 
     def _first_call(self, ids, pos, meta: AttentionMetadata, lora: LoraBatch | None) -> Callable:
         """The compiled function for steps of this kind. Its graph, if this call traces it, takes
-        the token count and the batch's shape as dynamic sizes; later calls check nothing."""
-        for t in (ids, pos, meta.slot_mapping, meta.cu_seqlens_q, meta.seqlens_k):
-            torch._dynamo.decorators.mark_unbacked(t, 0)
-        torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
+        the token count and the batch's shape as dynamic sizes, each tensor of the same length
+        sharing one size (shape_id); later calls check nothing."""
+        for t in (ids, pos, meta.slot_mapping):
+            torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="tokens")
+        for t in (meta.seqlens_k, meta.block_tables):
+            torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="seqs")
+        torch._dynamo.decorators.mark_unbacked(meta.cu_seqlens_q, 0)
         torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
         if lora is not None:
             for t in (lora.token_index, lora.pad_index, lora.pad_rows):
