@@ -12,7 +12,7 @@ runs' medians of the rounds' ratios.
     .venv/bin/python bench/graph_sizes.py [--model GGUF] [--batch 1] [--rounds 30] [--steps 20]
         [--dtype auto] [--out NAME]
 
-Writes bench/results/<NAME>.md (default graph_sizes).
+Writes bench/results/<NAME>.{md,json} (default graph_sizes).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
+from bench.results_files import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -94,11 +95,11 @@ def main() -> int:
         print(json.dumps(run_order(args, model, args.order == "shared-first")))
         return 0
     load0 = load_avg()
-    rows, ratios = [], []
+    rows, ratios, runs = [], [], {}
     for order in ("shared-first", "per-tensor-first"):
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--order", order], check=True,
                              capture_output=True, text=True).stdout
-        t = json.loads(out.strip().splitlines()[-1])
+        t = runs[order] = json.loads(out.strip().splitlines()[-1])
         r = [s / p for s, p in zip(t["shared"], t["per tensor"])]
         ratios.append(statistics.median(r))
         rows.append(f"| {order} | {statistics.median(t['shared']):.3f} | {statistics.median(t['per tensor']):.3f} "
@@ -113,9 +114,7 @@ def main() -> int:
         "| engines built | shared sizes | a size per tensor | ratio (median of the rounds') | rounds faster shared |",
         "|---|---:|---:|---:|---:|", *rows,
         f"\nGeometric mean of the two orders' ratios: **{math.sqrt(ratios[0] * ratios[1]):.3f}**\n"])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.md").write_text(text)
-    print(text)
+    write_results(RESULTS / args.out, {"model": Path(model).name, "batch": args.batch, "runs": runs}, text)
     return 0
 
 
