@@ -107,15 +107,13 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from bench.machine import cpu_flags, cpu_name, load_avg
     from bench.results_files import write_results
+    from bench.timing import interleaved
     from kernels.cpu_attention import cpu_capability
     argv = ["--model", args.model, "--dtype", args.dtype, "--batch", str(args.batch), "--context",
             str(args.context), "--prompts", str(args.prompts)]
     trees = {"base": worktree(args.base), "working tree": ROOT}
     load0 = load_avg()
-    runs: dict[str, list[dict]] = {name: [] for name in trees}
-    for r in range(args.rounds):
-        for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-            runs[name].append(run_in(trees[name], argv))
+    runs: dict[str, list[dict]] = interleaved(trees, args.rounds, lambda name: run_in(trees[name], argv))
     med = {name: {k: statistics.median(x[k] for x in rs) for k in ("decode_ms", "prefill_ms_per_token")}
            for name, rs in runs.items()}
     dtype = runs["working tree"][0]["dtype"]

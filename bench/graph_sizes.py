@@ -23,13 +23,13 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.results_files import write_results  # noqa: E402
+from bench.timing import interleaved, step_ms  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -65,15 +65,7 @@ def run_order(args, model: str, shared_first: bool) -> dict:
     for llm in engines.values():
         for _ in range(10):
             llm.step()
-    times: dict = {name: [] for name in engines}
-    for r in range(args.rounds):
-        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            llm = engines[name]
-            llm.step()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                llm.step()
-            times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+    times: dict = interleaved(engines, args.rounds, lambda name: step_ms(engines[name], args.steps))
     times["dtype"] = str(first.engine.runner.dtype).removeprefix("torch.")
     return times
 

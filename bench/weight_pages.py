@@ -17,7 +17,6 @@ import mmap
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_throughput import step_until_decoding  # noqa: E402
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
+from bench.timing import interleaved, step_ms  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
 from engine_worker.model.host_memory import into_one_mapping, movable_weights  # noqa: E402
 from kernels.cpu_attention import cpu_capability  # noqa: E402
@@ -53,15 +53,10 @@ def measure(llm: LLM, sets: dict, batch: int, rounds: int, steps: int) -> dict[s
         use(weights)
         for _ in range(3):
             llm.step()
-    times: dict[str, list[float]] = {name: [] for name in sets}
-    for r in range(rounds):
-        for name in (list(sets) if r % 2 == 0 else list(sets)[::-1]):
-            use(sets[name])
-            llm.step()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                llm.step()
-            times[name].append((time.perf_counter() - t0) / steps * 1e3)
+    def timed(name: str) -> float:
+        use(sets[name])
+        return step_ms(llm, steps)
+    times = interleaved(sets, rounds, timed)
     for request_id in ids:
         llm.engine.abort_request(request_id)
     while llm.engine.has_unfinished():
