@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "packed_linear_cpu.cpp", _CSRC / "quant_linear_cpu.cpp",
-            _CSRC / "bf16_linear_cpu.cpp", _CSRC / "lora_cpu.cpp"]
+            _CSRC / "bf16_linear_cpu.cpp", _CSRC / "lora_cpu.cpp", _CSRC / "argmax_cpu.cpp"]
 # The loaded extension module, or the reason it could not be built (per process).
 _EXTENSION_CACHE: dict[str, object] = {}
 _BUILT = ".kaiten-built"     # in a build directory, once its build has finished: the library's file name
@@ -237,7 +237,7 @@ def _register_fakes() -> None:
 
 def cpu_ops_loaded() -> bool:
     """Whether the extension's dispatcher ops (kaiten_cpu::paged_attention, ::write_kv,
-    ::packed_linear, ::quant_linear, ::bf16_linear, ::lora_add_) are registered in this process. A
+    ::packed_linear, ::quant_linear, ::bf16_linear, ::lora_add_, ::argmax_rows) are registered in this process. A
     compiled graph calls them directly: an op defined in Python costs about 15 us a call in its
     wrappers (PackedLinear; CppAttention exists only with them). Traced by Dynamo as one guard on
     _EXTENSION_CACHE."""

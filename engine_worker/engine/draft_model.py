@@ -9,6 +9,7 @@ stays valid up to the sequence's last token but one; a rejected draft's entries 
 from __future__ import annotations
 
 from engine_worker.engine.block_manager import BlockManager
+from engine_worker.engine.sampler import argmax_rows
 from engine_worker.model.model_runner import ModelRunner
 from engine_worker.engine.scheduler import ScheduledBatch
 from engine_worker.engine.sequence import Sequence
@@ -55,7 +56,7 @@ class DraftModelProposer:
             if not active:
                 break
             logits, _ = self.runner.run(batch, list(range(len(active))))
-            for i, token in zip(active, logits.argmax(-1).tolist()):
+            for i, token in zip(active, argmax_rows(logits).tolist()):
                 shadows[i].num_computed_tokens = shadows[i].num_tokens
                 shadows[i].token_ids.append(token)
                 drafts[i].append(token)
