@@ -4,7 +4,7 @@ sampler's, kernels/csrc/argmax_cpu.cpp) against torch.argmax, at 1 and 32 rows (
 
     .venv/bin/python bench/argmax_rows.py [--rows 1,32] [--rounds 15] [--calls 50] [--out argmax_rows]
 
-Writes bench/results/<out>.md.
+Writes bench/results/<out>.{md,json}.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
+from bench.results_files import write_results  # noqa: E402
 from bench.timing import interleaved  # noqa: E402
 from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
 
@@ -43,6 +44,7 @@ def main() -> int:
     load_extension()
     ops = {"torch.argmax": lambda x: x.argmax(-1), "kaiten_cpu::argmax_rows": torch.ops.kaiten_cpu.argmax_rows}
     load0 = load_avg()
+    runs = {}
     lines = ["# argmax over 49152 fp32 logits a row: the extension's op against torch.argmax\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), extension ISA {cpu_capability()[0]}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}. Median of {args.rounds} alternating "
@@ -51,13 +53,12 @@ def main() -> int:
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(ops["kaiten_cpu::argmax_rows"](x), x.argmax(-1))
-        t = interleaved(list(ops), args.rounds, lambda name: call_ms(ops[name], x, args.calls))
+        t = runs[rows] = interleaved(list(ops), args.rounds, lambda name: call_ms(ops[name], x, args.calls))
         a, b = statistics.median(t["torch.argmax"]), statistics.median(t["kaiten_cpu::argmax_rows"])
         lines.append(f"| {rows} | {a:.3f} | {b:.3f} | {b / a:.3f} |")
-        print(lines[-1], flush=True)
     lines.append(f"\nLoad {load0} before, {load_avg()} after.")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    write_results(RESULTS / args.out, {"cpu": cpu_name(), "flags": cpu_flags(), "isa": cpu_capability()[0],
+                                       "ms_by_rows": runs}, "\n".join(lines))
     return 0
 
 
