@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -27,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_throughput import step_until_decoding  # noqa: E402
+from bench.engine_throughput import start_decoding  # noqa: E402
 from bench.machine import cpu_name  # noqa: E402
-from engine_worker import LLM, SamplingParams  # noqa: E402
+from engine_worker import LLM  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -59,11 +58,7 @@ def measure(args) -> dict:
               enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch, 1),
               kv_cache_memory=args.kv_cache_memory)
     engine, runner = llm.engine, llm.engine.runner
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
-    for _ in range(args.batch):
-        llm.submit([rng.randrange(3, engine.vocab_size) for _ in range(args.context)], params)
-    step_until_decoding(llm)
+    start_decoding(llm, args.batch, args.steps + 8, args.context)
     for _ in range(3):                                   # warm-up decode steps
         llm.step()
     times = []

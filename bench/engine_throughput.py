@@ -101,6 +101,17 @@ def step_until_decoding(llm: LLM) -> None:
         llm.step()
 
 
+def start_decoding(llm: LLM, batch: int, max_tokens: int, context: int = 256, low: int = 3) -> list[str]:
+    """Submits `batch` prompts of `context` random token ids (from `low` up, a fixed seed; greedy,
+    ignore_eos, `max_tokens` each) and steps until all of them decode; their request ids."""
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [llm.submit([rng.randrange(low, llm.engine.vocab_size) for _ in range(context)], params)
+           for _ in range(batch)]
+    step_until_decoding(llm)
+    return ids
+
+
 def profile_kaiten(llm: LLM, reqs, top: int = 15) -> str:
     """Profile decode-heavy steps: all requests admitted, then 10 steps under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import subprocess
 import sys
@@ -37,8 +36,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def build(model: str, args, shared_sizes: bool):
     """An engine decoding --batch requests, its forward traced with shared sizes or one per tensor."""
     import torch._dynamo.decorators as decorators
-    from bench.engine_throughput import step_until_decoding
-    from engine_worker import LLM, SamplingParams
+    from bench.engine_throughput import start_decoding
+    from engine_worker import LLM
     from engine_worker.model import compiled_forward
 
     mark_unbacked = decorators.mark_unbacked
@@ -49,11 +48,7 @@ def build(model: str, args, shared_sizes: bool):
         llm = LLM(model, dtype=args.dtype, kv_cache_memory="512MiB", enable_prefix_caching=False)
     finally:
         decorators.mark_unbacked = mark_unbacked
-    rng = random.Random(0)
-    for _ in range(args.batch):
-        llm.submit([rng.randrange(100, llm.engine.vocab_size) for _ in range(256)],
-                   SamplingParams(temperature=0, max_tokens=args.rounds * (args.steps + 1) + 50, ignore_eos=True))
-    step_until_decoding(llm)
+    start_decoding(llm, args.batch, args.rounds * (args.steps + 1) + 50, low=100)
     return llm
 
 

@@ -14,7 +14,6 @@ Writes bench/results/<out>.{md,json}.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -33,16 +32,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def engine(model: str, args):
-    from bench.engine_throughput import step_until_decoding
-    from engine_worker import LLM, SamplingParams
+    from bench.engine_throughput import start_decoding
+    from engine_worker import LLM
     llm = LLM(model, dtype=args.dtype, max_num_seqs=max(64, args.batch), kv_cache_memory="1GiB",
               enable_prefix_caching=False)
-    rng = random.Random(0)
-    tokens = args.rounds * 2 * (args.steps + 1) + 50
-    for _ in range(args.batch):
-        llm.submit([rng.randrange(100, llm.engine.vocab_size) for _ in range(256)],
-                   SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    step_until_decoding(llm)
+    start_decoding(llm, args.batch, args.rounds * 2 * (args.steps + 1) + 50, low=100)
     for _ in range(10):
         llm.step()
     return llm

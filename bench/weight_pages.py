@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -23,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_throughput import step_until_decoding  # noqa: E402
+from bench.engine_throughput import start_decoding  # noqa: E402
 from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.timing import interleaved, step_ms  # noqa: E402
-from engine_worker import LLM, SamplingParams  # noqa: E402
+from engine_worker import LLM  # noqa: E402
 from engine_worker.model.host_memory import into_one_mapping, movable_weights  # noqa: E402
 from kernels.cpu_attention import cpu_capability  # noqa: E402
 
@@ -44,11 +43,7 @@ def use(weights) -> None:
 
 
 def measure(llm: LLM, sets: dict, batch: int, rounds: int, steps: int) -> dict[str, list[float]]:
-    rng = random.Random(0)
-    ids = [llm.submit([rng.randrange(3, 49152) for _ in range(256)],
-                      SamplingParams(temperature=0, max_tokens=rounds * 2 * (steps + 1) + 20, ignore_eos=True))
-           for _ in range(batch)]
-    step_until_decoding(llm)
+    ids = start_decoding(llm, batch, rounds * 2 * (steps + 1) + 20)
     for weights in sets.values():       # warm-up
         use(weights)
         for _ in range(3):
