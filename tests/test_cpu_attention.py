@@ -117,6 +117,16 @@ def test_head_dim_not_a_multiple_of_16(backend, dtype):
     check(backend, BATCHES["mixed"], 6, 2, 24, 16, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scratch_kept_between_calls_of_other_shapes(backend, dtype):
+    """Each thread keeps its scratch between calls: calls alternating head sizes that share a
+    padded width (24 and 32 on AVX-512) and GQA groups, on the same threads, each exact; a head
+    size's padding columns must not hold another's values."""
+    for d, heads in [(32, (6, 2)), (24, (6, 2)), (32, (9, 3)), (24, (6, 2)), (64, (9, 3)), (32, (6, 2))]:
+        for batch in ("decode", "mixed"):
+            check(backend, BATCHES[batch], *heads, d, 16, dtype)
+
+
 @pytest.mark.parametrize("d", [32, 96, 128])
 @pytest.mark.parametrize("batch", ["decode", "mixed"])
 def test_bf16_head_dims_in_chunks_of_32(backend, batch, d):

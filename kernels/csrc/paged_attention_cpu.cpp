@@ -47,6 +47,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -95,12 +96,23 @@ struct Scratch {
   std::vector<uint32_t> pp;                // P as bf16 pairs [rows][KT / 2] (bf16 dot products)
   std::vector<int64_t> pos;                // context position of each row's token
   std::vector<int> valid;
-  Scratch(int64_t rows, int64_t dp)
+  int64_t rows, d, dp;
+  Scratch(int64_t rows, int64_t d, int64_t dp)
       : q(rows * dp, 0.f), o(rows * dp, 0.f), kf(KT * dp, 0.f), kt(dp * KT, 0.f),
         vf(KT * dp, 0.f), s(rows * KT, 0.f), p(rows * KT, 0.f), lsum(rows * KT, 0.f),
         m(rows, kNegInf), corr(rows, 1.f), qb(rows * dp), kt2(dp / 2 * KT, 0), pp(rows * KT / 2, 0), pos(rows, 0),
-        valid(rows, 0) {}
+        valid(rows, 0), rows(rows), d(d), dp(dp) {}
 };
+
+// The calling thread's Scratch, kept between calls (OpenMP's threads persist): a decode step's 30
+// calls otherwise allocate and zero its 15 buffers on every thread each time. Made anew when the
+// shape differs, so the padding columns of one head size are never another's.
+Scratch& thread_scratch(int64_t rows, const Geometry& g) {
+  thread_local std::unique_ptr<Scratch> scratch_cache;
+  if (!scratch_cache || scratch_cache->rows != rows || scratch_cache->d != g.d || scratch_cache->dp != g.dp)
+    scratch_cache = std::make_unique<Scratch>(rows, g.d, g.dp);
+  return *scratch_cache;
+}
 
 // ------------------------------------------------------------------------------ loads / stores
 // VL elements at p as fp32.
@@ -870,13 +882,13 @@ void run_items(const Inputs<T, C>& in, const std::vector<WorkItem>& items, const
   for (const auto& it : items) total += it.cost;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (int64_t)items.size());
   if (threads <= 1 || total < kMinParallelCost) {
-    Scratch w(rows, g.dp);
+    Scratch& w = thread_scratch(rows, g);
     for (const auto& it : items) run_item(in, it, g, w);
     return;
   }
   std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch w(rows, g.dp);
+    Scratch& w = thread_scratch(rows, g);
     for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1))
       run_item(in, items[i], g, w);
   });
