@@ -95,9 +95,10 @@ def main() -> int:
 
 
 def decode_step(llm: LLM, prompt, args):
-    """A timed decode step of args.batch requests, once their prompts are computed."""
+    """A timed decode step of args.batch requests, once their prompts are computed. Their budget
+    lasts the warm-up and both timed passes (without the profiler, then under it)."""
     for _ in range(args.batch):
-        llm.submit(prompt(), SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True))
+        llm.submit(prompt(), SamplingParams(temperature=0, max_tokens=2 * args.steps + 20, ignore_eos=True))
     step_until_decoding(llm)
     return lambda: timed(llm.step)
 
