@@ -31,8 +31,12 @@ from bench.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.peer_llamacpp import LLAMA_PEER, gguf_path  # noqa: E402
 from bench.peer_serve import RESULTS  # noqa: E402
 from bench.results_files import write_results  # noqa: E402
+from bench.timing import interleaved  # noqa: E402
 from kernels.cpu_attention import cpu_capability  # noqa: E402
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
+
+
+KEYS = ("kaiten", "repack", "no_repack")    # Kaiten's step; llama-bench with --repack 1 and 0
 
 
 def llama_bench_ms(peer: Path, gguf: str, repack: int, args) -> float | None:
@@ -69,15 +73,16 @@ def main() -> None:
     engines = {kind: LLM(str(ensure_converted_gguf(g)), quantization="auto", kv_cache_memory="512MiB")
                for kind, g in files.items()}
     report = {"cpu": cpu_name(), "flags": " ".join(cpu_flags()), "isa": cpu_capability()[0],
-              "load_avg_before": load_avg(), "args": vars(args),
-              "rounds": {kind: {"kaiten": [], "repack": [], "no_repack": []} for kind in files}}
-    for r in range(args.rounds):
-        for kind, gguf in (files.items() if r % 2 == 0 else reversed(files.items())):
-            runs = report["rounds"][kind]
-            runs["kaiten"].append(decode_ms({kind: engines[kind]}, 1, max(1, args.context), 1, args.steps)[kind])
-            runs["repack"].append(llama_bench_ms(peer, gguf, 1, args))
-            runs["no_repack"].append(llama_bench_ms(peer, gguf, 0, args))
-            print(f"round {r + 1} {kind}: " + ", ".join(f"{k} {v[-1]}" for k, v in runs.items()), flush=True)
+              "load_avg_before": load_avg(), "args": vars(args)}
+
+    def one_round(kind: str) -> dict[str, float | None]:
+        ms = {"kaiten": decode_ms({kind: engines[kind]}, 1, max(1, args.context), 1, args.steps)[kind],
+              "repack": llama_bench_ms(peer, files[kind], 1, args),
+              "no_repack": llama_bench_ms(peer, files[kind], 0, args)}
+        print(f"{kind}: {ms}", flush=True)
+        return ms
+    rounds = interleaved(files, args.rounds, one_round)
+    report["rounds"] = {kind: {key: [r[key] for r in rs] for key in KEYS} for kind, rs in rounds.items()}
     report["load_avg_after"] = load_avg()
     write_results(args.out, report, markdown(report, args))
 
@@ -100,9 +105,9 @@ def markdown(rep: dict, args) -> str:
              "| Kaiten / as stored | rounds (Kaiten; repacked; as stored) |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for kind, runs in rep["rounds"].items():
-        k, rp, nr = (median(runs[x]) for x in ("kaiten", "repack", "no_repack"))
+        k, rp, nr = (median(runs[x]) for x in KEYS)
         ratio = lambda a, b: "" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
-        each = "; ".join(", ".join(fmt(x) for x in runs[key]) for key in ("kaiten", "repack", "no_repack"))
+        each = "; ".join(", ".join(fmt(x) for x in runs[key]) for key in KEYS)
         lines.append(f"| {kind} | {fmt(k)} | {fmt(rp)} | {fmt(nr)} | {ratio(k, rp)} | {ratio(k, nr)} | {each} |")
     lines.append("\n(A ratio under 1: Kaiten's step takes less time than llama.cpp's token.)")
     return "\n".join(lines)
