@@ -16,6 +16,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id() -> str:
+    """The CPU's family and model as /proc/cpuinfo gives them (hosts of one name differ by these)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
 def load_avg() -> float | None:
     """The 1-minute load average: on a shared machine, read it before and after a run."""
     try:
