@@ -37,7 +37,10 @@ def run(llm: LLM, args) -> tuple[int, float, list[float]]:
     rng = random.Random(args.seed)
     vocab = llm.engine.vocab_size
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    submit = lambda: llm.submit([rng.randrange(100, vocab) for _ in range(args.input_len)], params)  # noqa: E731
+
+    def submit() -> None:
+        llm.submit([rng.randrange(100, vocab) for _ in range(args.input_len)], params)
+
     for _ in range(min(args.concurrency, args.num_prompts)):
         submit()
     submitted, finished, tokens, steps = min(args.concurrency, args.num_prompts), 0, 0, []
