@@ -1,9 +1,9 @@
 // Throughput of the AVX2 integer instructions behind the int8 kernels (kernels/csrc/quant/), alone and
 // in the mixes the int8 panel GEMM could issue, on data in registers: which instructions share the
 // vector pipes on this CPU. Built and run by bench/int8_pipes.py; prints one markdown row a mix.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <algorithm>
 #include <cstdio>
 #include <vector>
 
@@ -53,19 +53,18 @@ MIX(maddwd_fma, "vpmaddwd", "vfmadd231ps")
 // One row of x against a panel's two vectors (weights in ymm12-15, ones in ymm11), accumulators
 // ymm0-5, x broadcast from memory: 3 rows a quad of inputs, 192 products.
 int32_t xbuf[16];
+// the multiplies and adds of a row once x (ymm<x>, and its copy in ymm9) has taken w's sign
+#define MULTIPLY_ADD(x, a0, a1)                                                                      \
+  "vpmaddubsw %%ymm9, %%ymm14, %%ymm9\n vpmaddubsw %%ymm" #x ", %%ymm15, %%ymm" #x "\n"             \
+  "vpmaddwd %%ymm11, %%ymm9, %%ymm9\n vpmaddwd %%ymm11, %%ymm" #x ", %%ymm" #x "\n"                 \
+  "vpaddd %%ymm9, %%ymm" #a0 ", %%ymm" #a0 "\n vpaddd %%ymm" #x ", %%ymm" #a1 ", %%ymm" #a1 "\n"
 #define SIGN_ROW(off, x, a0, a1)                                                                     \
   "vpbroadcastd " #off "(%0), %%ymm" #x "\n vpsignb %%ymm12, %%ymm" #x ", %%ymm9\n"                \
-  "vpsignb %%ymm13, %%ymm" #x ", %%ymm" #x "\n vpmaddubsw %%ymm9, %%ymm14, %%ymm9\n"              \
-  "vpmaddubsw %%ymm" #x ", %%ymm15, %%ymm" #x "\n vpmaddwd %%ymm11, %%ymm9, %%ymm9\n"             \
-  "vpmaddwd %%ymm11, %%ymm" #x ", %%ymm" #x "\n vpaddd %%ymm9, %%ymm" #a0 ", %%ymm" #a0 "\n"      \
-  "vpaddd %%ymm" #x ", %%ymm" #a1 ", %%ymm" #a1 "\n"
+  "vpsignb %%ymm13, %%ymm" #x ", %%ymm" #x "\n" MULTIPLY_ADD(x, a0, a1)
 #define XORSUB_ROW(off, x, a0, a1)                                                                   \
   "vpbroadcastd " #off "(%0), %%ymm" #x "\n vpxor %%ymm12, %%ymm" #x ", %%ymm9\n"                  \
   "vpxor %%ymm13, %%ymm" #x ", %%ymm" #x "\n vpsubb %%ymm12, %%ymm9, %%ymm9\n"                     \
-  "vpsubb %%ymm13, %%ymm" #x ", %%ymm" #x "\n vpmaddubsw %%ymm9, %%ymm14, %%ymm9\n"               \
-  "vpmaddubsw %%ymm" #x ", %%ymm15, %%ymm" #x "\n vpmaddwd %%ymm11, %%ymm9, %%ymm9\n"             \
-  "vpmaddwd %%ymm11, %%ymm" #x ", %%ymm" #x "\n vpaddd %%ymm9, %%ymm" #a0 ", %%ymm" #a0 "\n"      \
-  "vpaddd %%ymm" #x ", %%ymm" #a1 ", %%ymm" #a1 "\n"
+  "vpsubb %%ymm13, %%ymm" #x ", %%ymm" #x "\n" MULTIPLY_ADD(x, a0, a1)
 // int16 pairs: a pair of x's int16 broadcast against two vectors of int16 weight pairs (w0, w1)
 #define PAIRS_ROW(off, x, w0, w1, a0, a1)                                                            \
   "vpbroadcastd " #off "(%0), %%ymm" #x "\n vpmaddwd %%ymm" #w0 ", %%ymm" #x ", %%ymm9\n"          \

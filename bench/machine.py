@@ -6,26 +6,25 @@ import platform
 from pathlib import Path
 
 
-def cpu_name() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """/proc/cpuinfo's fields, the first value of each (the first CPU's); {} where there is none."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_name() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_id() -> str:
     """The CPU's family and model as /proc/cpuinfo gives them (hosts of one name differ by these)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
+    fields = _cpuinfo()
     return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
 
 
@@ -43,11 +42,6 @@ SIMD_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512v
 
 def cpu_flags() -> list[str]:
     """The vector-instruction flags /proc/cpuinfo lists (those the kernels and oneDNN use)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                present = set(line.split(":", 1)[1].split())
-                return [f for f in SIMD_FLAGS if f in present]
-    except OSError:
-        pass
-    return []
+    fields = _cpuinfo()
+    present = set((fields.get("flags") or fields.get("Features") or "").split())
+    return [f for f in SIMD_FLAGS if f in present]

@@ -41,9 +41,9 @@ def run(llm: LLM, args) -> tuple[int, float, list[float]]:
     def submit() -> None:
         llm.submit([rng.randrange(100, vocab) for _ in range(args.input_len)], params)
 
-    for _ in range(min(args.concurrency, args.num_prompts)):
-        submit()
     submitted, finished, tokens, steps = min(args.concurrency, args.num_prompts), 0, 0, []
+    for _ in range(submitted):
+        submit()
     t0 = time.perf_counter()
     while finished < args.num_prompts:
         t = time.perf_counter()
