@@ -27,8 +27,9 @@ CSRC = "kernels/csrc"
 BUILDS = Path.home() / ".cache" / "kaiten" / "kernel_ab"
 
 
-def base_ops(rev: str, source: str):
-    """The ops of `rev`'s kernels/csrc/<source> (e.g. quant_linear_cpu.cpp), as a torch.ops namespace."""
+def base_ops(rev: str, source: str, tag: str = ""):
+    """The ops of `rev`'s kernels/csrc/<source> (e.g. quant_linear_cpu.cpp), as a torch.ops namespace
+    (kaiten_ab_<source name><tag>: a distinct tag for each revision loaded in one process)."""
     tree = subprocess.run(["git", "-C", str(ROOT), "archive", rev, CSRC], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(tree)) as tar:
         files = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
@@ -36,7 +37,7 @@ def base_ops(rev: str, source: str):
     if path not in files:
         raise SystemExit(f"{rev} has no {path}")
     text = files[path].decode()
-    namespace = f"kaiten_ab_{Path(source).stem}"
+    namespace = f"kaiten_ab_{Path(source).stem}{tag}"
     renamed = re.sub(r"TORCH_LIBRARY_(FRAGMENT|IMPL)\(kaiten_cpu\b", rf"TORCH_LIBRARY_\1({namespace}", text)
     if renamed == text:
         raise SystemExit(f"{rev}:{path} registers no kaiten_cpu ops to rename")

@@ -4,8 +4,12 @@ timed as --copies copies of random weights (gguf's own quantizer), so they strea
 a step; the two kernels alternate, the order reversed every round, and the median of the rounds is
 reported, by default through the int8 method (int8 activations in every row, the fp32 x path).
 
-    .venv/bin/python bench/kernel_ab.py [--base HEAD] [--formats Q8_0,Q4_1] [--rows 1,8,32,256]
-        [--threads 1,2] [--method int8|registers|dense] [--rounds 15] [--noise 0.1] [--out NAME]
+    .venv/bin/python bench/kernel_ab.py [--base HEAD] [--also REV,REV] [--formats Q8_0,Q4_1]
+        [--rows 1,8,32,256] [--threads 1,2] [--method int8|registers|dense] [--rounds 15] [--noise 0.1]
+        [--out NAME]
+
+--also times more revisions in the same rounds (variants kept on a branch, say), each a column and a
+ratio against the base, as the working tree is.
 
 --noise F runs a neighbour process busy F of one core in bursts (bench/cpu_noise.py) throughout, as
 the gateway, Redis and the client load a served engine's cores: how much a kernel's threads lose
@@ -57,6 +61,7 @@ def interleaved(ops: dict, layers: list[QuantLinear], x: torch.Tensor, method: s
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="HEAD", help="git revision of the base kernel")
+    ap.add_argument("--also", default="", help="comma-separated git revisions timed beside the base")
     ap.add_argument("--formats", default="Q8_0,Q4_1")
     ap.add_argument("--shapes", default="qkv 960x576,gate_up 3072x576,down 576x1536",
                     help="comma-separated keys of bench/quant_linear.py's SHAPES")
@@ -69,14 +74,18 @@ def main() -> int:
     ap.add_argument("--out", default="kernel_ab")
     args = ap.parse_args()
     load_extension()
-    ops = {"base": base_ops(args.base, "quant_linear_cpu.cpp").quant_linear, "working tree": torch.ops.kaiten_cpu.quant_linear}
-    lines = [f"# quant_linear: the working tree against {args.base}, in one process\n",
+    also = [rev for rev in args.also.split(",") if rev]
+    ops = {"base": base_ops(args.base, "quant_linear_cpu.cpp").quant_linear}
+    ops.update({rev: base_ops(rev, "quant_linear_cpu.cpp", f"_also{i}").quant_linear for i, rev in enumerate(also)})
+    ops["working tree"] = torch.ops.kaiten_cpu.quant_linear
+    others = [name for name in ops if name != "base"]
+    lines = [f"# quant_linear: the working tree{''.join(f', {rev}' for rev in also)} against {args.base}, in one process\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), extension ISA {cpu_capability()[0]}, torch "
              f"{torch.__version__}, load before {load_avg()}. Method: {args.method}; fp32 x; {args.copies} copies of "
              f"each shape; median of {args.rounds} interleaved rounds; a neighbour process busy {args.noise:.0%} of a "
-             "core. GMAC/s; ratio: working tree / base.\n",
-             "| threads | format | shape | rows | base GMAC/s | working tree GMAC/s | ratio |",
-             "|---:|---|---|---:|---:|---:|---:|"]
+             "core. GMAC/s; ratio: each against the base.\n",
+             "| threads | format | shape | rows | base GMAC/s | " + " | ".join(f"{o} GMAC/s | ratio" for o in others) + " |",
+             "|---:|---|---|---:|---:|" + "---:|---:|" * len(others)]
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for fmt in args.formats.split(","):
@@ -87,8 +96,8 @@ def main() -> int:
                     with busy_neighbour(args.noise):
                         t = interleaved(ops, layers, torch.randn(m, k), args.method, args.rounds)
                     g = {name: args.copies * n * k * m / s / 1e9 for name, s in t.items()}
-                    row = (f"| {threads} | {fmt} | {label} | {m} | {g['base']:.1f} | {g['working tree']:.1f} | "
-                           f"{g['working tree'] / g['base']:.2f} |")
+                    cells = " | ".join(f"{g[o]:.1f} | {g[o] / g['base']:.2f}" for o in others)
+                    row = f"| {threads} | {fmt} | {label} | {m} | {g['base']:.1f} | {cells} |"
                     lines.append(row)
                     print(row, flush=True)
     lines.append(f"\nLoad after: {load_avg()}.")
