@@ -2,10 +2,10 @@
 # The GPU check, one command on a machine with a CUDA GPU:
 #   bash bench/gpu_check.sh
 # 1. the Triton / flash-attn kernels and the decode CUDA graphs against their references on the GPU
-#    (pytest -m gpu), then non-greedy sampling with every sampling parameter (bench/sampling_check.py,
-#    temperature > 0, CUDA graphs on and off), 2. bench/decode_step.py (batch 64 against the weight-bytes / bandwidth floor)
-# and 3. bench/engine_throughput.py (the CPU bench's workload) for each attention backend (torch,
-# triton, flash_attn when installed), CUDA graphs on and off. Writes bench/results/gpu_check.md,
+#    (pytest -m gpu), then non-greedy sampling with every sampling parameter (bench/engine/sampling_check.py,
+#    temperature > 0, CUDA graphs on and off), 2. bench/engine/decode_step.py (batch 64 against the weight-bytes / bandwidth floor)
+# and 3. bench/engine/engine_throughput.py (the CPU bench's workload) for each attention backend (torch,
+# triton, flash_attn when installed), CUDA graphs on and off. Writes bench/results/gpu_check/gpu_check.md,
 # naming the GPU, with the raw runs under bench/results/gpu/.
 # GPU_CHECK_QUICK=1 runs fewer steps and requests (a smoke test of this script).
 set -euo pipefail
@@ -26,12 +26,12 @@ steps=50; requests=64
 
 echo "== kernels and CUDA graphs vs reference on $gpu"
 kernels_rc=0
-$PY -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_triton_attention.py tests/test_cuda_graphs.py \
+$PY -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_triton_attention.py tests/engine/test_cuda_graphs.py \
   2>&1 | tee "$out/kernel_tests.txt" || kernels_rc=$?
 
 echo "== sampling at temperature > 0 on $gpu (every sampling parameter, seeded, mixed batch)"
 sampling_rc=0
-{ $PY bench/sampling_check.py --device cuda && $PY bench/sampling_check.py --device cuda --enforce-eager; } \
+{ $PY bench/engine/sampling_check.py --device cuda && $PY bench/engine/sampling_check.py --device cuda --enforce-eager; } \
   2>&1 | tee "$out/sampling_check.txt" || sampling_rc=$?
 
 backends="torch triton"
@@ -41,9 +41,9 @@ for b in $backends; do
     flag=""; [ $graphs = off ] && flag="--enforce-eager"
     [ $b = torch ] && [ $graphs = on ] && continue        # the torch backend plans on the host: no graphs
     echo "== $b, CUDA graphs $graphs"
-    $PY bench/decode_step.py --device cuda --attention-backend $b $flag --steps $steps \
+    $PY bench/engine/decode_step.py --device cuda --attention-backend $b $flag --steps $steps \
       --out "$out/decode_step.$b.graphs-$graphs"
-    $PY bench/engine_throughput.py --device cuda --attention-backend $b $flag --dtypes bfloat16 \
+    $PY bench/engine/engine_throughput.py --device cuda --attention-backend $b $flag --dtypes bfloat16 \
       --num-requests $requests --kv-cache-memory 8GiB --out "$out/engine_throughput.$b.graphs-$graphs"
   done
 done
@@ -53,11 +53,11 @@ done
   echo
   echo "\`bash bench/gpu_check.sh\` on $(date -u +%Y-%m-%d), torch $($PY -c 'import torch; print(torch.__version__)')."
   echo "Kernel and CUDA-graph tests (pytest -m gpu): $(tail -n 1 "$out/kernel_tests.txt")"
-  echo "Sampling at temperature > 0 (bench/sampling_check.py, graphs on and off): $(grep -c '^ok' "$out/sampling_check.txt") ok, $(grep -c '^FAIL' "$out/sampling_check.txt" || true) failed"
+  echo "Sampling at temperature > 0 (bench/engine/sampling_check.py, graphs on and off): $(grep -c '^ok' "$out/sampling_check.txt") ok, $(grep -c '^FAIL' "$out/sampling_check.txt" || true) failed"
   echo
   echo "## Decode step, batch 64 x 512 context, SmolLM2 bf16 (goal on an H100: within 2x of the weight floor)"
   echo
-  $PY bench/decode_step.py --render "$out"
+  $PY bench/engine/decode_step.py --render "$out"
   echo
   echo "## Engine throughput (the CPU bench's workload), Kaiten vs HF on the same GPU"
   echo
@@ -73,7 +73,7 @@ print(f"| {r['attention_backend']} | {'on' if r['cuda_graphs'] else 'off'} | {ru
       f"{run['hf_single']['tokens_per_s']:.0f} | {run['c_over_b']:.1f} | {run['c_over_a']:.1f} |")
 EOF
   done
-} > bench/results/gpu_check.md
-cat bench/results/gpu_check.md
+} > bench/results/gpu_check/gpu_check.md
+cat bench/results/gpu_check/gpu_check.md
 [ $kernels_rc = 0 ] || exit $kernels_rc
 exit $sampling_rc

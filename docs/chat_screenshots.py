@@ -3,7 +3,7 @@
     .venv/bin/kaiten up &                      # or any gateway with an engine behind it
     .venv/bin/python docs/chat_screenshots.py http://127.0.0.1:8000
 
-Drives Debian's chromium through Playwright (as tests/test_chat_page.py does): one short chat kept in
+Drives Debian's chromium through Playwright (as tests/gateway/test_chat_page.py does): one short chat kept in
 the list of past chats, then a question whose answer has markdown and code. Greedy with a seed, so a
 run on the same model draws the same answers.
 """

@@ -188,7 +188,7 @@ class EngineConfig(_EnvConfig):
         Xeon with AMX (bf16, the GGUF's Q4_1 matrices as stored), `vllm bench serve` at
         concurrency 32 (256-token prompts, 128 out), 3 rounds, medians: budget 256 484.6 tok/s,
         TTFT p50 550 ms, p99 3168; 1024 507.7, 712, 2339; 2048 505.2, 1066, 2110. In-process
-        prefill (bench/quant_prefill.py) 0.221 ms a prompt token at 256, 0.187 at 1024, 0.190 at
+        prefill (bench/weights/quant_prefill.py) 0.221 ms a prompt token at 256, 0.187 at 1024, 0.190 at
         2048. Before the panel GEMMs (dequantized chunks into a library GEMM) 256 was ahead, and
         fp32 on a loaded 2-core machine took 0.85 s a step at 128 tokens, 6.9 s at 1024."""
         if self.max_num_batched_tokens > 0:

@@ -13,8 +13,8 @@ os.environ.setdefault("KAITEN_METRICS_PORT", "0")
 
 import pytest
 
-from tests.redis_server import RedisServer
-from tests.tiny_model import build_tiny_model
+from tests.support.redis_server import RedisServer
+from tests.support.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -39,5 +39,5 @@ def redis_url(redis_server):
 
 
 def pytest_report_header(config):
-    from tests.redis_server import describe
+    from tests.support.redis_server import describe
     return f"redis: {describe()}"

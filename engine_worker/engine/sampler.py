@@ -153,7 +153,7 @@ _MASK64 = (1 << 64) - 1
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of a [B, V] tensor. fp32 on the CPU takes the extension's
     kaiten_cpu::argmax_rows: ATen's compares an element at a time (2.0 ms for 32 rows of 49152 on
-    2 threads of a Xeon, where the extension takes 0.2; bench/argmax_rows.py)."""
+    2 threads of a Xeon, where the extension takes 0.2; bench/kernels/argmax_rows.py)."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and cpu_ops_loaded():
         return torch.ops.kaiten_cpu.argmax_rows(x)
     return x.argmax(dim=-1)

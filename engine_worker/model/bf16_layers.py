@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 # Rows of x from which bf16_linear widens chunks for at::mm instead of multiplying in registers:
-# bench/bf16_linear.py on a 2-core AVX2 EPYC (1 thread), SmolLM2-135M's shapes: summed over a
+# bench/kernels/bf16_linear.py on a 2-core AVX2 EPYC (1 thread), SmolLM2-135M's shapes: summed over a
 # step's projections, in registers is ahead through 96 rows (per shape: ahead on 2 of 5 at 64, on
-# 3 of 5 at 96), behind on every shape at 128 (bench/results/bf16_linear.md).
+# 3 of 5 at 96), behind on every shape at 128 (bench/results/bf16_linear/bf16_linear.md).
 MIN_DENSE_ROWS = 96
 
 

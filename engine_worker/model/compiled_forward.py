@@ -16,7 +16,7 @@ The token count and the batch's shape vary per step: they are dynamic dimensions
 specialising on 0 or 1 (unbacked sizes), so one graph serves every step. Tensors of one length
 share one size (shape_id): the graph takes five sizes a step, where a size per tensor, every
 layer's K and V pool its own, made 67 for SmolLM2 and a one-stream decode step 1.06x the time
-(bench/graph_sizes.py).
+(bench/engine/graph_sizes.py).
 
 The graph's wrapper, which calls its kernels and ops in order, is C++ (Inductor's cpp_wrapper),
 not Python: a SmolLM2 step makes about 270 such calls, and made from C++ they leave a one-stream

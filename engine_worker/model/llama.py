@@ -336,7 +336,7 @@ def _count_tensors(files: list[Path]) -> int:
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight oneDNN has reordered into its blocked layout once, at load.
-    On the CPU, MKL's GEMM is slow for the few rows of a decode step (bench/cpu_linear.py: on a
+    On the CPU, MKL's GEMM is slow for the few rows of a decode step (bench/kernels/cpu_linear.py: on a
     2-core AVX2 EPYC, SmolLM2's projections run about 2x faster at 8 rows and 1.1-1.3x faster at
     1, 64 and 512). fp32 anywhere; bf16 where the CPU has native bf16 (AVX512-BF16/AMX), since
     oneDNN emulates it elsewhere. Inference only (no autograd). Under torch.compile it runs as the

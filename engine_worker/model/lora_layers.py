@@ -30,7 +30,7 @@ def projection_shapes(cfg) -> dict[str, tuple[int, list[int]]]:
 
 
 # The torch ops pad the slots' runs to one length for batched matmuls while that at most doubles
-# the rows (decode batches); else matmuls per slot (prefill chunks). bench/lora.py times both.
+# the rows (decode batches); else matmuls per slot (prefill chunks). bench/engine/lora.py times both.
 MAX_PADDING = 2.0
 
 

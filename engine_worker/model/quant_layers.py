@@ -21,13 +21,13 @@ from shared.gguf_quant import PackedWeight
 # chunks 30.5 / 35.0; 32 rows AMX 24.7 / 29.2, oneDNN 34.1 / 42.4 (the chunks were the method past
 # 64 rows until the panel GEMM).
 # bf16 without AMX (the kernel's own bf16 GEMM from there): 2-core Zen 4 EPYC with AVX512-BF16,
-# 2 threads, bench/quant_linear.py's four projection shapes, Q4_1 / Q8_0, the GEMM's time against
+# 2 threads, bench/kernels/quant_linear.py's four projection shapes, Q4_1 / Q8_0, the GEMM's time against
 # the bf16 dot products in registers: 16 rows 1.04x / 1.06x, 24 0.94x / 0.95x, 48 0.86x / 0.92x,
 # 256 0.75x / 0.72x; against oneDNN on the dense weight prepacked (what --quantization none runs)
 # 0.85-1.06x by shape at 256 rows. fp32 (the dense method is the panel GEMM): the same Zen 4, Q4_1,
 # the four shapes summed, its time against the fp32 registers 1.08x at 32 rows, 0.86x at 64.
 # Before it (dequantized chunks into MKL): min of 5-11 rounds, 1 thread (the machine had a load of
-# 7-13 on 2 cores), AVX2 EPYC, bench/quant_linear.py's shapes and methods, dense time / this time:
+# 7-13 on 2 cores), AVX2 EPYC, bench/kernels/quant_linear.py's shapes and methods, dense time / this time:
 # int4 registers 1.4-3.6x at 24 rows, 0.9-1.1x at 48-64, dense ahead from 96 (0.6-0.9x); int8
 # weights 1.2-1.6x at 24, 1.0-1.35x at 48-64, dense ahead from 96-128 (measured before the tiled
 # layout, with the int8-activation method it replaced; on the Zen 4 the tiled fp32 registers were
@@ -45,10 +45,10 @@ MIN_DENSE_ROWS = {torch.bfloat16: 12 if torch.cpu._is_amx_tile_supported() else 
 # on AVX512-BF16, AMX's tiles): 2-core Xeon with AMX, int8 / exact time, Q4_1 and Q8_0
 # projections: VNNI, fp32 x 0.62x and 0.84x at one row; bf16 x (the bf16 dot products from 3 rows)
 # 0.87x and 0.94x at 1 row, 0.55x and 0.63x at 4, 0.78x and 0.75x at 16. The same Xeon, fp32 x
-# against the fp32 registers, gate_up and down (bench/quant_linear.py --rows 1,4,16): the AVX2
+# against the fp32 registers, gate_up and down (bench/kernels/quant_linear.py --rows 1,4,16): the AVX2
 # build Q4_1 0.63-0.78x at 1 to 16 rows, Q8_0 0.88x at one row, 0.95-1.09x at 4 and 16; the
 # AVX-512 build without VNNI Q4_1 0.69-0.84x, Q8_0 0.92-1.0x. 2-core Zen 4 (AVX512-VNNI, BF16),
-# bench/int8_rows.py, against exact activations (none): fp32 x, every row, Q4_1 and Q8_0 files:
+# bench/weights/int8_rows.py, against exact activations (none): fp32 x, every row, Q4_1 and Q8_0 files:
 # a 32-row step 0.62x and 0.63x, a prompt token 0.51x and 0.46x, 8 and 16 rows 0.73-0.88x; bf16 x,
 # up to 16 rows, Q4_1 and Q8_0: 1 row 0.87x and 1.05x, 4 rows 0.94x and 0.99x, 8 rows 0.93-1.05x
 # and 1.10-1.11x, 16 rows 1.00-1.10x and 1.21x; up to 4 rows 0.90x and 1.02x at one row; every row

@@ -9,7 +9,7 @@
 // x before the next, so the weight streams once; threads split the output features.
 // Many rows (prefill, large batches): chunks of weight rows are widened into fp32 scratch of about
 // kChunkBytes and multiplied by at::mm (MKL/oneDNN), whose blocked GEMM wins once a widened weight
-// is reused by enough rows (min_dense_rows, chosen by the caller from bench/bf16_linear.py).
+// is reused by enough rows (min_dense_rows, chosen by the caller from bench/kernels/bf16_linear.py).
 //
 // One source for AVX-512, AVX2 and portable code: at::vec's Vectorized<float> and load_to_float
 // take their implementation from CPU_CAPABILITY_* as in the other kernels.

@@ -197,7 +197,7 @@ inline void qk_block(const float* q, int64_t dp, const float* kt, float* s) {
 // Rows a block: their NR x KV accumulators, KV key vectors and a broadcast in the registers.
 // AVX2's 16 hold 6 rows; with 8, GCC kept 3 accumulators on the stack, and 6 rows here and in
 // P V (kPvRows) took a prefill 0.76-0.86x the time (Zen 4, AVX2 build, 30 layers of SmolLM2's
-// heads, 1 and 2 threads, bench/results/attention_ab_zen4_avx2.md). On AVX-512, 16 rows here and
+// heads, 1 and 2 threads, bench/results/attention_ab/attention_ab_zen4_avx2.md). On AVX-512, 16 rows here and
 // 8 in P V took 1.03-1.10x the time of 8 and 4 (attention_ab_zen4_avx512.md).
 constexpr int kQkRows = VL == 16 ? 8 : 6;
 
@@ -212,7 +212,7 @@ inline void qk_rows(const float* q, int64_t rows, int64_t dp, const float* kt, f
 // or AVX2, 4 keys at a time against all rows: a 32 x 384 decode step's 30 layers with an fp16
 // cache took 1.23-1.33x the time with the 16-bit rows widened into scratch first and then, per
 // row, a horizontal sum per key (AVX2) or 16 keys summed by one hsum16 (AVX-512), on a Zen 4
-// (bench/results/attention_one_stream_zen4_*.md). Elsewhere one horizontal sum per key.
+// (bench/results/attention_one_stream/attention_one_stream_zen4_*.md). Elsewhere one horizontal sum per key.
 #if defined(CPU_CAPABILITY_AVX512)
 // out[j] = the sum of a[j]'s 16 lanes, for 16 vectors: a tree of lane shuffles and adds (45
 // instructions where 16 horizontal sums take about 130). For the bf16 dot products.

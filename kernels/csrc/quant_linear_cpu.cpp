@@ -9,7 +9,7 @@
 // weights, 34 per 32 int8).
 //
 // Six methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
-// from the caller, measured by bench/quant_linear.py):
+// from the caller, measured by bench/kernels/quant_linear.py):
 // * m <= int8_rows, in an AVX-512 or AVX2 build: *int8 activations*, as llama.cpp computes: x
 //   rounded to int8 per block of 32, integer dot products with the stored integers (vpdpbusd with
 //   AVX512-VNNI, 64 byte products an instruction; else vpmaddubsw and vpmaddwd), scaled per group

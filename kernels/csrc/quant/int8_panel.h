@@ -22,7 +22,7 @@ namespace kaiten::quant {
 // pairs summed in int16 over a group: 8 x 2 x 15 x 127 fits; with VNNI vpdpbusd), int8 signed
 // (|w| against x times w's sign, vpmaddwd each quad, each quad's |w| stored after its w: taken
 // in the loop, 2 vpabsb a quad for 3 rows of x cost AVX2 on a Zen 4 1.01-1.08x the time at 32
-// and 256 rows, bench/results/kernel_ab_zen4_avx2_absw.md; with VNNI as w + 128, and the panel's mins
+// and 256 rows, bench/results/kernel_ab/kernel_ab_zen4_avx2_absw.md; with VNNI as w + 128, and the panel's mins
 // less 128 times the scales take back what that adds, in fp32 with the weight's own mins: an
 // int32 correction per row and group before the scaling made GCC spill the 24 accumulators, half
 // the speed on a Zen 4). Per group each row's int32 dots are scaled into fp32 accumulators, as in

@@ -134,7 +134,7 @@ inline void add_mins(const float* mins, const float* xsums, int64_t count, float
 
 // Threads split the tiles in equal shares, not by chunk_queue.h's chunks: few rows of x are bound
 // by memory, and the chunks made a one-row decode step 1.14x as long (likely each new chunk
-// restarting the prefetchers' streams; 2-core Xeon, bench/engine_steps_ab.py). A thread meets each
+// restarting the prefetchers' streams; 2-core Xeon, bench/engine/engine_steps_ab.py). A thread meets each
 // of its tiles with all m rows of x, kRowBlock rows at a time: block(s, tile, wt, r0, rows, y)
 // fills y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows from the tile (its scales widened to
 // fp32 in s where kWiden); wt: the thread's scratch of `scratch` Ts, or nullptr. out is in x's

@@ -1,0 +1,255 @@
+"""`--model` resolution (shared/model_source.py): a directory, a GGUF file, a repo id in the local
+Hugging Face cache, and the error that names every place looked at.
+
+The GGUF is written here from the tiny random Llama with the `gguf` package (a dependency), the
+way llama.cpp's converter writes one: llama.* metadata, a gpt2-style tokenizer, q/k rows permuted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.gguf_convert import MARKER
+from shared.model_source import ModelNotFoundError, hf_hub_cache, resolve_model
+from tests.support.tiny_model import CHAT_TEMPLATE
+from tests.support.paths import ROOT
+
+PY = sys.executable
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permute: HF's half-split rotary rows -> interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(model_dir: Path, path: Path, pre: str = "gpt2", qtype: str | None = None,
+                     embed_qtype: str | None = None) -> Path:
+    """The tiny HF model directory as a GGUF file: F32, or its matrices quantized with gguf's own
+    quantizer to `qtype` (the embedding and output layer to `embed_qtype`, if given)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"] if "rope_theta" in cfg else cfg["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(CHAT_TEMPLATE)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in load_file(str(model_dir / "model.safetensors")).items():
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module = rest.removesuffix(".weight")
+            gname = f"blk.{i}.{layer[module]}.weight"
+            if module == "self_attn.q_proj":
+                t = _llama_cpp_permute(t, cfg["num_attention_heads"])
+            elif module == "self_attn.k_proj":
+                t = _llama_cpp_permute(t, cfg["num_key_value_heads"])
+        else:
+            gname = names[name]
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        kind = embed_qtype or qtype if gname in ("token_embd.weight", "output.weight") else qtype
+        if kind and t.ndim == 2:
+            kind = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(gname, gguf.quants.quantize(t, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
+    return write_llama_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf")
+
+
+@pytest.fixture
+def no_hf_env(monkeypatch, tmp_path):
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_a_model_directory(tiny_model_dir, tmp_path):
+    assert resolve_model(str(tiny_model_dir), tmp_path) == tiny_model_dir.resolve()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        resolve_model(str(tmp_path / "empty"), tmp_path)
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelNotFoundError, match="not a GGUF file"):
+        resolve_model(str(tmp_path / "notes.txt"), tmp_path)
+
+
+def test_a_gguf_file_is_converted_once(tiny_model_dir, tiny_gguf, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    models = tmp_path / "models"
+    out = resolve_model(str(tiny_gguf), models)
+    assert out == models / "tiny-llama.F32"
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["source"] == str(tiny_gguf) and marker["size"] == tiny_gguf.stat().st_size
+    # The weights are the original's in bf16, q/k rows back in HF's order; the tokenizer encodes alike.
+    want, got = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for name, t in want.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16)), name
+    a, b = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")), Tokenizer.from_file(str(out / "tokenizer.json"))
+    for text in ("The quick brown fox. Paris is the capital of France.", "<|im_start|>user\nHi 0123<|im_end|>",
+                 "Émilie aime le café 🙂"):
+        assert a.encode(text).ids == b.encode(text).ids, text
+    cfg = json.loads((out / "config.json").read_text())
+    orig = json.loads((tiny_model_dir / "config.json").read_text())
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert cfg[key] == orig[key], key
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
+
+    # Once: a second resolution finds the marker; a changed file is converted again.
+    stamp = (out / MARKER).stat().st_mtime_ns
+    assert resolve_model(str(tiny_gguf), models) == out and (out / MARKER).stat().st_mtime_ns == stamp
+    changed = tmp_path / "tiny-llama.F32.gguf"
+    shutil.copy(tiny_gguf, changed)
+    assert resolve_model(str(changed), models) == out
+    assert json.loads((out / MARKER).read_text())["source"] == str(changed)
+
+
+def test_llama3_pre_tokenizer(tiny_model_dir, tmp_path):
+    from tokenizers import Tokenizer
+
+    gguf_file = write_llama_gguf(tiny_model_dir, tmp_path / "l3.gguf", pre="llama-bpe")
+    out = resolve_model(str(gguf_file), tmp_path / "models")
+    pre = Tokenizer.from_file(str(out / "tokenizer.json")).pre_tokenizer
+    # Llama 3 splits numbers in runs of three and keeps the space with the next word.
+    assert [p for p, _ in pre.pre_tokenize_str("I'm 12345 ok")] == ["I", "'m", "Ġ", "123", "45", "Ġok"]
+
+
+def test_other_gguf_architectures_get_a_clear_error(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen2': only llama"):
+        resolve_model(str(tmp_path / "m.gguf"), tmp_path / "models")
+    assert not (tmp_path / "models" / "m").exists()
+
+
+def _fake_hf_cache(hub: Path, repo_id: str, files: dict[str, Path], with_ref: bool = True) -> Path:
+    """huggingface_hub's layout: blobs/, snapshots/<commit>/<file> -> ../../blobs/<hash>, refs/main."""
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for i, (name, src) in enumerate(files.items()):
+        blob = repo / "blobs" / f"{i:040x}"
+        shutil.copy(src, blob)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    if with_ref:
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_a_repo_id_in_the_hf_cache(tiny_model_dir, tiny_gguf, tmp_path, no_hf_env, monkeypatch):
+    hub = tmp_path / "hub"
+    snapshot = _fake_hf_cache(hub, "org/tiny", {p.name: p for p in tiny_model_dir.iterdir() if p.is_file()})
+    assert hf_hub_cache() == hub
+    assert resolve_model("org/tiny", tmp_path / "models") == snapshot
+    # HF_HOME/hub when HF_HUB_CACHE is unset; a snapshot without refs/main is still found.
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hfhome"))
+    snapshot2 = _fake_hf_cache(tmp_path / "hfhome" / "hub", "tiny", {"config.json": tiny_model_dir / "config.json"},
+                               with_ref=False)
+    assert resolve_model("tiny", tmp_path / "models") == snapshot2
+    # A repo holding one GGUF file (and no config.json) is converted like the file.
+    _fake_hf_cache(tmp_path / "hfhome" / "hub", "org/tiny-GGUF", {"tiny.F32.gguf": tiny_gguf})
+    out = resolve_model("org/tiny-GGUF", tmp_path / "models")
+    assert out == tmp_path / "models" / "tiny.F32" and (out / "model.safetensors").is_file()
+
+
+def test_not_found_names_every_place_looked(tmp_path, no_hf_env, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model("someorg/some-model", tmp_path / "models")
+    text = str(e.value)
+    assert str(tmp_path / "someorg" / "some-model") in text
+    assert str(tmp_path / "hub" / "models--someorg--some-model") in text
+    assert "HF_HUB_CACHE" in text
+    # A path-like name is not looked up in the cache.
+    with pytest.raises(ModelNotFoundError, match="no such directory or file") as e:
+        resolve_model("./nowhere", tmp_path / "models")
+    assert "Hugging Face" not in str(e.value)
+
+
+def test_every_command_reports_a_missing_model(tmp_path):
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "KAITEN_MODEL": ""}
+    for cmd in (["serve", "nobody/nothing", "--port", "0"], ["engine", "--model", "nobody/nothing"],
+                ["gateway", "--model", "nobody/nothing"], ["tokenizer", "--model", "nobody/nothing"],
+                ["generate", "--model", "nobody/nothing", "hi"], ["convert", "nobody/nothing"]):
+        out = subprocess.run([PY, "-m", "shared.cli", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2, (cmd, out.stderr[-2000:])
+        assert f"kaiten {cmd[0]}: model 'nobody/nothing' not found; looked for" in out.stderr, (cmd, out.stderr)
+        assert str(tmp_path / "hub" / "models--nobody--nothing") in out.stderr, cmd
+        assert "Traceback" not in out.stderr, cmd
+
+
+def test_the_engine_runs_a_gguf_file(tiny_gguf, tmp_path, monkeypatch, caplog):
+    from engine_worker import LLM, SamplingParams
+
+    monkeypatch.setenv("KAITEN_MODELS_DIR", str(tmp_path / "models"))
+    with caplog.at_level("INFO", logger="kaiten.convert"):
+        llm = LLM(str(tiny_gguf), dtype="float32", enforce_eager=True)
+    assert llm.engine.config.model == str(tmp_path / "models" / "tiny-llama.F32")
+    assert any("converting" in r.getMessage() for r in caplog.records)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_gguf_conversion_needs_no_torch(tiny_gguf, tmp_path):
+    """The slim image (no torch) converts GGUF files: model-init runs there."""
+    code = (f"import sys; from shared.model_source import resolve_model; "
+            f"print(resolve_model({str(tiny_gguf)!r}, {str(tmp_path / 'models')!r})); "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'torch', 'safetensors', 'transformers'}}))")
+    out = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [str(tmp_path / "models" / "tiny-llama.F32"), "[]"]

@@ -1,0 +1,349 @@
+"""CppAttention (kernels/cpu_attention.py, the fused C++ kernel) against a dense causal attention
+computed in fp32 per sequence: decodes, prefill chunks over a cached prefix, full prefills, mixed
+batches; GQA groups 1/3/4, block sizes 16 and 1, head_dim 64/16/24 (and 32/96/128 in bf16),
+shuffled block pools, fp32 and bf16, and fp16 or bf16 caches under fp32 or bf16 queries. Every cache slot the batch does not own holds NaN, so a read
+of one shows in the output."""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from kernels import cpu_attention
+from kernels.interface import AttentionMetadata
+from tests.support.isa_builds import assert_passes_in_isa_build
+from tests.support.paths import ROOT
+
+
+@pytest.fixture(scope="module")
+def backend():
+    if not cpu_attention.cpp_attention_available():
+        pytest.skip(f"the C++ kernel is unavailable: {cpu_attention._EXTENSION_CACHE.get('error')}")
+    return cpu_attention.CppAttention()
+
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+def make_batch(specs, hq, hkv, d, bs, dtype, seed, extra_blocks=3, cache_dtype=None):
+    """specs [(q_len, ctx)] -> (q, k_cache, v_cache, meta, keys, values); the blocks of all
+    sequences sit in random order in a NaN-filled pool, and the tables are padded with -1. q in
+    dtype, the cache (and keys, values) in cache_dtype (default: dtype)."""
+    cache_dtype = cache_dtype or dtype
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [math.ceil(ctx / bs) for _, ctx in specs]
+    total = sum(nblocks) + extra_blocks
+    pool = torch.randperm(total, generator=g).tolist()
+    tables, p = [], 0
+    for n in nblocks:
+        tables.append(pool[p:p + n])
+        p += n
+    width = max(nblocks, default=0) + 1
+    k_cache = torch.full((total, bs, hkv, d), float("nan"), dtype=cache_dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    keys = [torch.randn(ctx, hkv, d, generator=g).to(cache_dtype) for _, ctx in specs]
+    values = [torch.randn(ctx, hkv, d, generator=g).to(cache_dtype) for _, ctx in specs]
+    for t, k, v in zip(tables, keys, values):
+        pos = torch.arange(k.shape[0])
+        slots = torch.tensor(t, dtype=torch.long)[pos // bs] * bs + pos % bs
+        k_cache.view(-1, hkv, d)[slots] = k
+        v_cache.view(-1, hkv, d)[slots] = v
+    qlens, klens = [ql for ql, _ in specs], [ctx for _, ctx in specs]
+    cu = [0]
+    for ql in qlens:
+        cu.append(cu[-1] + ql)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        seqlens_k=torch.tensor(klens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width),
+        slot_mapping=torch.empty(0, dtype=torch.int64),
+        max_seqlen_q=max(qlens, default=0), max_seqlen_k=max(klens, default=0),
+        seqlens_q_list=qlens, seqlens_k_list=klens)
+    q = torch.randn(cu[-1], hq, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta, keys, values
+
+
+def dense_reference(q, keys, values, specs, scale):
+    """fp32 causal attention per sequence; query j of a (q_len, ctx) sequence sees keys
+    0..ctx - q_len + j. GQA by repeating each kv head for its group of query heads."""
+    out, start = [], 0
+    hq = q.shape[1]
+    for (ql, ctx), k, v in zip(specs, keys, values):
+        group = hq // k.shape[1]
+        qi = q[start:start + ql].float()
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        visible = torch.arange(ctx)[None, :] <= (ctx - ql + torch.arange(ql))[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+        start += ql
+    return torch.cat(out) if out else q.float()
+
+
+BATCHES = {
+    "decode": [(1, n) for n in (1, 5, 16, 17, 33, 100, 257, 64)],
+    "chunk_over_prefix": [(7, 40), (16, 100), (33, 97), (2, 18)],
+    "full_prefill": [(1, 1), (5, 5), (37, 37), (64, 64)],
+    "mixed": [(1, 50), (20, 20), (1, 3), (13, 77), (1, 200), (40, 41)],
+    # chunks of 64 tokens and more: in bf16 on a CPU with AMX, ATen's flash attention takes them
+    "long_chunks": [(64, 64), (1, 90), (80, 200), (100, 101), (3, 70), (70, 300)],
+}
+HEADS = [(4, 4), (9, 3), (8, 2)]     # GQA groups 1, 3, 4
+
+
+def check(backend, specs, hq, hkv, d, bs, dtype, seed=None, cache_dtype=None):
+    seed = zlib.crc32(repr((specs, hq, hkv, d, bs, str(dtype))).encode()) if seed is None else seed
+    q, kc, vc, meta, keys, values = make_batch(specs, hq, hkv, d, bs, dtype, seed, cache_dtype=cache_dtype)
+    scale = d ** -0.5
+    got = backend.attention(q, kc, vc, meta, scale)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    want = dense_reference(q, keys, values, specs, scale)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 16])
+@pytest.mark.parametrize("bs", [16, 1])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_against_dense(backend, batch, heads, bs, d, dtype):
+    check(backend, BATCHES[batch], *heads, d, bs, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_dim_not_a_multiple_of_16(backend, dtype):
+    check(backend, BATCHES["mixed"], 6, 2, 24, 16, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scratch_kept_between_calls_of_other_shapes(backend, dtype):
+    """Each thread keeps its scratch between calls: calls alternating head sizes that share a
+    padded width (24 and 32 on AVX-512) and GQA groups, on the same threads, each exact; a head
+    size's padding columns must not hold another's values."""
+    for d, heads in [(32, (6, 2)), (24, (6, 2)), (32, (9, 3)), (24, (6, 2)), (64, (9, 3)), (32, (6, 2))]:
+        for batch in ("decode", "mixed"):
+            check(backend, BATCHES[batch], *heads, d, 16, dtype)
+
+
+@pytest.mark.parametrize("d", [32, 96, 128])
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_bf16_head_dims_in_chunks_of_32(backend, batch, d):
+    """On a CPU with AVX512-BF16 a bf16 head_dim that is a multiple of 32 is multiplied in bf16
+    pairs, in chunks of 32 dims: one to four chunks, and 96 as an output block of 64 and one of 32."""
+    check(backend, BATCHES[batch], 8, 2, d, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_a_16_bit_cache_under_wider_or_bf16_queries(backend, batch, heads, bs, dtype, cache_dtype):
+    """An fp16 or bf16 cache is widened exactly as it is read: against the dense attention of the
+    cache's own values, fp32 queries keep fp32's tolerance (bf16 ones bf16's). The decodes of a
+    single sequence are split over its context."""
+    check(backend, BATCHES[batch], *heads, 64, bs, dtype, cache_dtype=cache_dtype)
+    if batch == "decode":
+        check(backend, [(1, 300)], *heads, 64, bs, dtype, cache_dtype=cache_dtype)
+
+
+def serial_and_threaded(run, threads: int):
+    """run() with torch on 1 thread, then on `threads`; the thread count is restored after."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = run()
+        torch.set_num_threads(threads)
+        return serial, run()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bs", [16, 5])
+def test_parallel_matches_serial(backend, bs):
+    """A batch big enough for the threaded path; the result must not depend on the thread count."""
+    specs = [(1, 30 + 37 * i) for i in range(24)] + [(96, 300), (128, 128)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, bs, torch.float32, seed=bs)
+    serial, parallel = serial_and_threaded(lambda: backend.attention(q, kc, vc, meta, 0.125), 2)
+    assert torch.equal(serial, parallel)
+    torch.testing.assert_close(parallel, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("heads,specs", [
+    ((9, 3), [(1, 1000)]), ((9, 3), [(1, 129)]), ((8, 2), [(1, 700), (1, 64)]),
+    ((4, 4), [(3, 257)]), ((4, 4), [(4, 300)]), ((9, 3), [(1, 127)])],
+    ids=["one-long", "one-short", "two", "mha-3-tokens", "mha-4-tokens", "under-two-parts"])
+def test_few_decodes_split_over_their_context(backend, threads, dtype, bs, heads, specs):
+    """A step of fewer decode items than 2 per thread cuts each over its context into parts that
+    the threads share, then merges the parts' softmax sums: the result matches the dense one and,
+    within rounding, the serial run's (tests run with 1 thread, which never splits)."""
+    q, kc, vc, meta, keys, values = make_batch(specs, *heads, 64, bs, dtype, seed=bs + len(specs))
+    serial, split = serial_and_threaded(lambda: backend.attention(q, kc, vc, meta, 0.125), threads)
+    torch.testing.assert_close(split.float(), dense_reference(q, keys, values, specs, 0.125), **TOL[dtype])
+    torch.testing.assert_close(split, serial, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decodes_over_all_kv_heads_match_one_item_per_head(backend, dtype):
+    """A step of many decodes runs one work item per sequence over all its kv heads; a sequence
+    alone runs one item per kv head. Both give the same bits."""
+    specs = [(1, 3 + 29 * i) for i in range(12)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, dtype, seed=7)
+    together = backend.attention(q, kc, vc, meta, 0.125)
+    for i, (_, ctx) in enumerate(specs):
+        one = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seqlens_k=meta.seqlens_k[i:i + 1],
+            block_tables=meta.block_tables[i:i + 1], slot_mapping=torch.empty(0, dtype=torch.int64),
+            max_seqlen_q=1, max_seqlen_k=ctx, seqlens_q_list=[1], seqlens_k_list=[ctx])
+        assert torch.equal(backend.attention(q[i:i + 1], kc, vc, one, 0.125), together[i:i + 1])
+    torch.testing.assert_close(together.float(), dense_reference(q, keys, values, specs, 0.125), **TOL[dtype])
+
+
+def test_noncontiguous_query(backend):
+    """q as a strided view (a slice of a fused qkv projection), in fp32 against an fp16 cache."""
+    specs = [(1, 20), (9, 30)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=7,
+                                               cache_dtype=torch.float16)
+    qkv = torch.randn(q.shape[0], 15, 64)
+    qkv[:, :9] = q
+    view = qkv[:, :9]
+    assert not view.is_contiguous()
+    got = backend.attention(view, kc, vc, meta, 0.125)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, backend.attention(q, kc, vc, meta, 0.125), atol=0, rtol=0)
+
+
+def test_empty_sequences_and_empty_batch(backend):
+    specs = [(0, 12), (3, 10), (0, 0)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 4, 2, 16, 4, torch.float32, seed=3)
+    got = backend.attention(q, kc, vc, meta, 0.25)
+    want = dense_reference(q[0:3], keys[1:2], values[1:2], specs[1:2], 0.25)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    q0, kc0, vc0, meta0, _, _ = make_batch([], 4, 2, 16, 4, torch.float32, seed=3)
+    assert backend.attention(q0, kc0, vc0, meta0, 0.25).shape == (0, 4, 16)
+
+
+def test_rejects_bad_metadata(backend):
+    q, kc, vc, meta, _, _ = make_batch([(1, 20)], 4, 2, 16, 16, torch.float32, seed=1)
+    meta.block_tables[0, 1] = kc.shape[0]        # out of the pool
+    with pytest.raises(RuntimeError, match="out of range"):
+        backend.attention(q, kc, vc, meta, 0.25)
+    meta.block_tables[0, 1] = -1                 # the context needs this block
+    with pytest.raises(RuntimeError, match="out of range"):
+        backend.attention(q, kc, vc, meta, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv(backend, dtype):
+    """The kernel's write_kv puts each token's rows at its slot and skips slot -1; key and value may
+    be strided views of one qkv row, as the model's split gives them."""
+    kc = torch.zeros(4, 16, 2, 16, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    qkv = torch.randn(3, 5 * 32, dtype=dtype)
+    key, value = qkv[:, 96:128].view(3, 2, 16), qkv[:, 128:].view(3, 2, 16)
+    backend.write_kv(key, value, kc, vc, torch.tensor([33, -1, 34]))
+    flat_k, flat_v = kc.view(-1, 2, 16), vc.view(-1, 2, 16)
+    assert torch.equal(flat_k[33], key[0]) and torch.equal(flat_k[34], key[2])
+    assert torch.equal(flat_v[33], value[0]) and torch.equal(flat_v[34], value[2])
+    assert flat_k[35].abs().sum() == 0 and int((flat_v != 0).any(-1).any(-1).sum()) == 2
+    with pytest.raises(RuntimeError, match="past the cache"):
+        backend.write_kv(key, value, kc, vc, torch.tensor([0, 1, 64]))
+
+
+def test_write_kv_rounds_into_a_16_bit_cache(backend):
+    """fp32 rows written to an fp16 cache are its rounded values (the torch backend's too)."""
+    from kernels.torch_attention import TorchAttention
+    key, value = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    for writer in (backend, TorchAttention()):
+        kc = torch.zeros(2, 4, 2, 16, dtype=torch.float16)
+        vc = torch.zeros_like(kc)
+        writer.write_kv(key, value, kc, vc, torch.tensor([5, 1]))
+        assert torch.equal(kc.view(-1, 2, 16)[[5, 1]], key.half())
+        assert torch.equal(vc.view(-1, 2, 16)[[5, 1]], value.half())
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_write_kv_and_attention_is_the_two_calls(backend, cache_dtype):
+    """The fused op (one call a layer) leaves the cache and returns the output the two ops do, for
+    a mixed batch whose new tokens are written before they are attended to."""
+    from kernels.interface import TwoCalls
+    specs = [(1, 40), (7, 30), (1, 17)]
+    q, kc, vc, meta, _, _ = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=11, cache_dtype=cache_dtype)
+    table, bs = meta.block_tables, 16
+    slots = [int(table[i, p // bs]) * bs + p % bs for i, (ql, ctx) in enumerate(specs) for p in range(ctx - ql, ctx)]
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    key, value = torch.randn(len(slots), 3, 64), torch.randn(len(slots), 3, 64)
+    fused_k, fused_v = kc.clone(), vc.clone()
+    got = backend.write_kv_and_attention(q, key, value, fused_k, fused_v, meta, 0.125)
+    want = TwoCalls.write_kv_and_attention(backend, q, key, value, kc, vc, meta, 0.125)
+    assert torch.equal(fused_k.nan_to_num(), kc.nan_to_num()) and torch.equal(fused_v.nan_to_num(), vc.nan_to_num())
+    assert torch.equal(got, want)
+
+
+def test_registry_and_custom_op(backend):
+    from engine_worker.model.compiled_forward import paged_attention
+    from kernels.interface import get_attention_backend
+
+    assert get_attention_backend("cpu").name == "cpu"
+    assert get_attention_backend("auto", "cpu").name == "cpu"
+    assert get_attention_backend("torch").name == "torch"
+    specs = [(1, 20), (5, 9)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=5)
+    got = paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, 0.125, "cpu")
+    torch.testing.assert_close(got, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(backend):
+    """cpp_extension waits for ever on the plain lock file a killed build leaves behind; the loader
+    removes it under its own lock, which dies with its holder."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    built = Path(cpu_attention.load_extension().__file__).parent
+    (built / "lock").write_text("")
+    proc = subprocess.run([sys.executable, "-c", "from kernels import cpu_attention; cpu_attention.load_extension()"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (built / "lock").exists()
+
+
+def test_checkouts_of_the_same_kernels_share_one_build(backend, tmp_path):
+    """The build is named by the kernels' bytes, not the checkout's folder: a copy of kernels/ in
+    another folder loads the same .so without building, and a changed header is another build."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    built = Path(cpu_attention.load_extension().__file__)
+    shutil.copytree(Path(cpu_attention.__file__).parent, tmp_path / "kernels")
+    load = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+            "from kernels import cpu_attention; print(cpu_attention.load_extension().__file__)")
+    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == str(built)
+    assert "building" not in proc.stdout
+    header = tmp_path / "kernels" / "csrc" / "quant" / "registers.h"
+    header.write_text(header.read_text() + "\n// another kernel\n")
+    other = subprocess.run([sys.executable, "-c", "from kernels import cpu_attention as c; "
+                            "print(c.kernel_digest(c._kernel_files(), c.cpu_capability()[1], 'c++'))"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert other.stdout.strip() not in built.parent.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "default"])
+def test_other_isa_builds(isa):
+    """The AVX-512 (without AVX512-BF16), AVX2 and portable builds of the extension (KAITEN_CPU_ISA)
+    pass this file's kernel tests: each has its own decode path (qk_direct_block)."""
+    if isa == "avx512" and not cpu_attention.cpu_capability()[0].startswith("avx512"):
+        pytest.skip("this CPU has no AVX-512")
+    assert_passes_in_isa_build(__file__, isa)

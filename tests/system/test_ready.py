@@ -1,0 +1,53 @@
+"""GET /ready follows the engines: a real `kaiten engine` process, SIGKILLed, leaves /ready within 3 s
+(the gateway counts an engine while its heartbeat changed within failover_timeout, 1.5 s)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.support.engine_support import wait_until
+from tests.support.gateway_support import start_gateway
+from tests.support.paths import ROOT
+
+pytestmark = pytest.mark.timeout(180)
+DEADLINE_S = 3.0
+
+
+def _ready_status(url: str) -> int:
+    return httpx.get(url + "/ready", timeout=2, trust_env=False).status_code
+
+
+def test_ready_goes_503_within_3s_of_a_sigkilled_engine(redis_url, tiny_model_dir, tmp_path):
+    log = open(tmp_path / "engine.log", "w")
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "engine", "--model", str(tiny_model_dir), "--redis-url", redis_url,
+         "--dtype", "float32", "--kv-cache-memory", "64MiB", "--engine-id", "ready-test"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log, stderr=subprocess.STDOUT)
+    gw = start_gateway(redis_url, tiny_model_dir, engine_timeout=10.0)       # the shipped engine_timeout
+    try:
+        wait_until(lambda: engine.poll() is None and _ready_status(gw.url) == 200, 120, 0.2, "/ready 200")
+        time.sleep(1.0)                  # a few heartbeats in steady state
+        assert _ready_status(gw.url) == 200
+        engine.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        engine.wait(10)
+        while _ready_status(gw.url) == 200:
+            assert time.monotonic() - killed < DEADLINE_S + 2, "/ready still 200"
+            time.sleep(0.05)
+        took = time.monotonic() - killed
+        body = httpx.get(gw.url + "/ready", timeout=2, trust_env=False).json()
+        print(f"/ready went 503 {took:.2f} s after the SIGKILL")
+        assert took <= DEADLINE_S, f"/ready went 503 only {took:.2f} s after the SIGKILL"
+        assert body["engines"] == 0 and "no live engine" in body["problems"], body
+    finally:
+        gw.stop()
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+        log.close()
