@@ -32,7 +32,7 @@ from bench.common.machine import cpu_name  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 from tests.support import netns_hosts  # noqa: E402
 from tests.support.fault_scenarios import (PROMPTS, Deployment, Settings, impaired_gateways, kill_primary,  # noqa: E402
-                                   outcome, partition_engine, partition_gateway)
+                                           outcome, partition_engine, partition_gateway)
 
 
 def reference(model_dir: str, max_tokens: int) -> list[str]:

@@ -16,7 +16,7 @@ if why_not:
     pytest.skip(f"network-namespace fault tests: {why_not}", allow_module_level=True)
 
 from tests.support.fault_scenarios import (PROMPTS, Deployment, Settings, impaired_gateways, kill_primary,  # noqa: E402
-                                   outcome, partition_engine, partition_gateway)
+                                           outcome, partition_engine, partition_gateway)
 
 N_TOKENS = 200
 
