@@ -6,7 +6,7 @@
 #    temperature > 0, CUDA graphs on and off), 2. bench/engine/decode_step.py (batch 64 against the weight-bytes / bandwidth floor)
 # and 3. bench/engine/engine_throughput.py (the CPU bench's workload) for each attention backend (torch,
 # triton, flash_attn when installed), CUDA graphs on and off. Writes bench/results/gpu_check/gpu_check.md,
-# naming the GPU, with the raw runs under bench/results/gpu/.
+# naming the GPU, with the raw runs beside it.
 # GPU_CHECK_QUICK=1 runs fewer steps and requests (a smoke test of this script).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ $PY -c "import flash_attn" 2>/dev/null || $PY -m pip install -q -e ".[gpu]" --no
 $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device')"
 gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0))")
 
-out=bench/results/gpu
+out=bench/results/gpu_check
 rm -rf "$out" && mkdir -p "$out"
 steps=50; requests=64
 [ "${GPU_CHECK_QUICK:-0}" = 1 ] && steps=5 && requests=8
@@ -73,7 +73,7 @@ print(f"| {r['attention_backend']} | {'on' if r['cuda_graphs'] else 'off'} | {ru
       f"{run['hf_single']['tokens_per_s']:.0f} | {run['c_over_b']:.1f} | {run['c_over_a']:.1f} |")
 EOF
   done
-} > bench/results/gpu_check/gpu_check.md
-cat bench/results/gpu_check/gpu_check.md
+} > "$out/gpu_check.md"
+cat "$out/gpu_check.md"
 [ $kernels_rc = 0 ] || exit $kernels_rc
 exit $sampling_rc

@@ -9,7 +9,7 @@ KV bytes the step's attention reads.
     .venv/bin/python bench/engine/decode_step.py --device cuda [--attention-backend triton] [--enforce-eager]
     .venv/bin/python bench/engine/decode_step.py --device cpu --batch 1 --context 256 [--enforce-eager]
     (on the CPU --enforce-eager runs the eager model instead of the torch.compile'd one)
-    .venv/bin/python bench/engine/decode_step.py --render bench/results/decode_step   # one table of every run
+    .venv/bin/python bench/engine/decode_step.py --render bench/results/gpu_check   # one table of every run
 
 Writes OUT.json and OUT.md (default bench/results/decode_step/decode_step).
 """
