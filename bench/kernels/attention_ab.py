@@ -103,6 +103,7 @@ def main() -> None:
                 b, w = med[(n, (kind, batch, new, ctx), cname, "base")], med[(n, (kind, batch, new, ctx), cname, "working tree")]
                 lines.append(f"| {n} | {kind} {shape} | {cname} | {b:.2f} | {w:.2f} | {w / b:.3f} |")
     out = RESULTS / f"{args.out}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

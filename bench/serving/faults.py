@@ -99,6 +99,7 @@ def main() -> int:
                   "ways) but no delay.", ""]
     lines += [f"Engines after the heal (scenario 2): `{json.dumps(r2['engines_after_heal'])}`", "",
               f"Engines' counters after scenario 3: `{json.dumps(r3['engines'])}`", ""]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".md").write_text("\n".join(lines))
     Path(args.out + ".json").write_text(json.dumps({k: {kk: vv for kk, vv in v.items()} for k, v in results.items()},
                                                    indent=1, default=str))
