@@ -88,7 +88,7 @@ def main() -> int:
             f"a new request answered {r1['new_request_answered_after_s']} s after the kill"),
         row("2. engine host cut off 10 s", o2, "streams moved to the other engine"),
         row("2. after the heal (both engines)", o2h, "-"),
-        row("3. gateway host g0 cut off", o3, f"g0's 4 streams ended with an error, as they should"),
+        row("3. gateway host g0 cut off", o3, "g0's 4 streams ended with an error, as they should"),
         row("4. baseline round", o4b, "-"),
         row(f"4. {imp['delay_ms']} ms + {imp['loss_pct']}% loss ({imp['by']})", o4,
             f"throughput {o4['throughput'] / max(o4b['throughput'], 1e-9):.2f}x the baseline"),

@@ -181,7 +181,7 @@ def run_one(n: int, policy: str, args) -> Run:
 def render(rep: dict) -> str:
     runs = [Run(**r) for r in rep["runs"]]
     base = {r.policy: r.computed for r in runs if r.engines == 1}
-    lines = [f"# Cache-aware routing: prompt tokens computed as engines are added", "",
+    lines = ["# Cache-aware routing: prompt tokens computed as engines are added", "",
              f"`{rep['command']}`, {rep['date']}, model {rep['model']} ({rep['dtype']}), {rep['cpu']} "
              f"({rep['cores']} cores; {rep['flags']}), load average {rep['load_avg_before']} before, "
              f"{rep['load_avg_after']} after.", "",

@@ -13,7 +13,6 @@ import threading
 import time
 
 import httpx
-import msgpack
 import pytest
 
 from gateway.backend.engines import EngineInfo, EngineMonitor
