@@ -37,7 +37,6 @@ from bench.kernels.quant_linear import NEVER, SHAPES, quantized  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
 from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS = results_dir(__file__)
 # (min_dense_rows, int8_rows) forcing each method
 METHODS = {"int8": (NEVER, NEVER), "registers": (NEVER, 0), "dense": (0, 0)}

@@ -24,13 +24,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 
 RESULTS = results_dir(__file__)
-HERE = Path(__file__).resolve().parents[2]
 # Run inside the checkout under test: convert, load, report. weight_bytes as bench/weights/quant_decode.py counts.
 CHILD = r"""
 import json, resource, sys, time
@@ -74,7 +74,7 @@ def main() -> int:
     args = ap.parse_args()
     from bench.weights.perplexity import default_gguf
     gguf = args.gguf or default_gguf()
-    checkouts = {"this branch": HERE, "today (baseline)": args.baseline}
+    checkouts = {"this branch": ROOT, "today (baseline)": args.baseline}
     variants = [(c, q) for c, path in checkouts.items() for q in quantizations(path)]
     meta = {"cpu": cpu_name(), "flags": cpu_flags(), "load_before": load_avg(), "gguf": gguf.name,
             "gguf_tensor_bytes": gguf_tensor_bytes(gguf), "gguf_file_bytes": gguf.stat().st_size,
