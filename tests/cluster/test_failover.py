@@ -25,9 +25,9 @@ import redis
 
 from shared import names, protocol
 from tests.support.engine_support import WorkerThread, slow_steps, wait_until
-from tests.support.redis_server import RedisServer
 from tests.support.gateway_support import start_gateway
 from tests.support.paths import ROOT
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,10 +17,10 @@ import pytest
 from shared import names
 from shared.launcher import wait_redis
 from shared.redis_conn import redis_client
-from tests.support.engine_support import wait_until
-from tests.support.sentinel_cluster import SentinelCluster
 from tests.cluster.test_failover import PROMPTS, ROOT, check_streams, engine_process, reference, run_sse_clients  # noqa: F401
+from tests.support.engine_support import wait_until
 from tests.support.gateway_support import start_gateway
+from tests.support.sentinel_cluster import SentinelCluster
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")]

@@ -18,8 +18,8 @@ import pytest
 
 from shared.gguf_convert import MARKER
 from shared.model_source import ModelNotFoundError, hf_hub_cache, resolve_model
-from tests.support.tiny_model import CHAT_TEMPLATE
 from tests.support.paths import ROOT
+from tests.support.tiny_model import CHAT_TEMPLATE
 
 PY = sys.executable
 

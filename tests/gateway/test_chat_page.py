@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.redis_server import free_port
 from tests.support.paths import ROOT
+from tests.support.redis_server import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 ENGINE_ID = "chat-page-test"

@@ -9,10 +9,10 @@ import sys
 import httpx
 import pytest
 
-from tests.support.redis_server import RedisServer, free_port
 from tests.support.engine_support import wait_until
 from tests.support.gateway_support import FakeEngine, default_tokens, post_stream
 from tests.support.paths import ROOT
+from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,9 +20,9 @@ from gateway.api.http_common import WS_SUBPROTOCOL, bearer_subprotocol
 from gateway.server_logs import RedactSecrets, redact_query, redact_text
 from shared.config import GatewayConfig
 from tests.support.engine_support import wait_until
-from tests.support.redis_server import free_port
 from tests.support.gateway_support import FakeEngine, ServerThread
 from tests.support.paths import ROOT
+from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "s3cret-key-123"

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.netns_hosts import Net
-from tests.support.sentinel_cluster import SentinelCluster
 from tests.support.paths import ROOT
+from tests.support.sentinel_cluster import SentinelCluster
 
 HOSTS = ["r0", "r1", "r2", "e0", "e1", "g0", "g1", "c"]
 REDIS_HOSTS = ["r0", "r1", "r2"]

@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from tests.support.engine_support import wait_until
+from tests.support.gateway_support import post_stream, start_gateway
 from tests.support.redis_server import RedisServer
 from tests.system.test_e2e import e2e_worker, openai_client
-from tests.support.gateway_support import post_stream, start_gateway
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,11 +19,11 @@ import pytest
 import redis
 
 from shared import names
-from tests.support.engine_support import WorkerThread, wait_until
-from tests.support.redis_server import RedisServer
 from tests.gateway.test_gateway import BAD_REQUESTS, _is_openai_error
+from tests.support.engine_support import WorkerThread, wait_until
 from tests.support.gateway_support import post_stream, start_gateway
 from tests.support.paths import ROOT
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from tests.support.engine_support import WorkerThread, slow_steps, wait_engine_idle, wait_until
-from tests.support.redis_server import RedisServer, free_port
 from tests.support.gateway_support import start_gateway
-from tests.support.tiny_model import build_tiny_model
 from tests.support.paths import ROOT
+from tests.support.redis_server import RedisServer, free_port
+from tests.support.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 

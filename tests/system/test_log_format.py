@@ -17,8 +17,8 @@ import pytest
 
 from shared.log_format import JSONFormatter
 from tests.support.engine_support import wait_until
-from tests.support.redis_server import free_port
 from tests.support.paths import ROOT
+from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(180)
 FIELDS = {"time", "level", "logger", "message"}

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.engine_support import WorkerThread, wait_until
-from tests.support.redis_server import RedisServer
 from tests.support.gateway_support import start_gateway
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(180)
 ENGINE = "metrics-engine"

@@ -16,8 +16,8 @@ import pytest
 from shared import names
 from shared.models_file import load_models_file, parse_models
 from tests.support.engine_support import WorkerThread, wait_until
-from tests.support.redis_server import RedisServer
 from tests.support.gateway_support import start_gateway
+from tests.support.redis_server import RedisServer
 from tests.support.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(240)

@@ -24,9 +24,9 @@ import yaml
 
 from shared import names
 from tests.support.engine_support import wait_until
-from tests.support.redis_server import RedisServer, free_port
 from tests.support.gateway_support import start_gateway
 from tests.support.paths import ROOT
+from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.timeout(240)
 MONITORING = ROOT / "docker" / "monitoring"

@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from tests.support.engine_support import WorkerThread, wait_until
-from tests.support.redis_server import RedisServer
 from tests.support.gateway_support import start_gateway
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(180)
 
