@@ -20,8 +20,9 @@ from gateway.backend.placement import Placer
 from shared import names
 from shared.block_hash import block_hash, prefix_block_hashes
 from shared.block_index import pack_blocks, unpack_blocks
-from tests.cluster.test_failover import ROOT, sse_completion, two_engines_and_a_gateway, wait_engines
+from tests.support.engine_cluster import sse_completion, two_engines_and_a_gateway, wait_engines
 from tests.support.engine_support import wait_until
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(240)
 

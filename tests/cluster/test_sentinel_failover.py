@@ -17,9 +17,10 @@ import pytest
 from shared import names
 from shared.launcher import wait_redis
 from shared.redis_conn import redis_client
-from tests.cluster.test_failover import PROMPTS, ROOT, check_streams, engine_process, reference, run_sse_clients  # noqa: F401
+from tests.support.engine_cluster import PROMPTS, check_streams, engine_process, run_sse_clients
 from tests.support.engine_support import wait_until
 from tests.support.gateway_support import start_gateway
+from tests.support.paths import ROOT
 from tests.support.sentinel_cluster import SentinelCluster
 
 pytestmark = [pytest.mark.timeout(240),

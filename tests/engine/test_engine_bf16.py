@@ -9,7 +9,7 @@ from torch import nn
 
 from engine_worker.model.bf16_layers import MIN_DENSE_ROWS, Bf16Embedding, Bf16Linear
 from kernels.cpu_attention import cpp_attention_available
-from tests.engine.test_engine import greedy, hf_greedy, make_llm, make_prompts, run_staggered
+from tests.support.llm_support import greedy, hf_greedy, make_llm, make_prompts, run_staggered
 from tests.support.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")

@@ -11,7 +11,7 @@ from engine_worker import LLM, SamplingParams
 from engine_worker.model import quant_layers
 from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear
 from kernels.cpu_attention import cpp_attention_available
-from tests.engine.test_model_source import write_llama_gguf
+from tests.support.gguf_files import write_llama_gguf
 from tests.support.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from engine_worker import SamplingParams
 from engine_worker.engine.speculative import NgramProposer, PerSequenceProposer
 from shared.config import SpeculativeConfig
-from tests.engine.test_engine import assert_all_blocks_released, expected, greedy, hf_model, make_llm, prompts, run_staggered  # noqa: F401
+from tests.support.llm_support import assert_all_blocks_released, greedy, make_llm, run_staggered
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
 LONG = 64

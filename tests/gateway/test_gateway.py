@@ -13,6 +13,7 @@ import redis
 
 from shared import names
 from shared.protocol import Abort, decode
+from tests.support.bad_requests import BAD_REQUESTS, is_openai_error
 from tests.support.engine_support import wait_until
 from tests.support.gateway_support import FakeEngine, default_tokens, post_stream, start_gateway
 
@@ -62,136 +63,7 @@ def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
-def _is_openai_error(body) -> bool:
-    e = body.get("error") if isinstance(body, dict) else None
-    return (isinstance(e, dict) and isinstance(e.get("message"), str) and e["message"]
-            and isinstance(e.get("type"), str) and "param" in e and "code" in e)
-
-
 # ---------------------------------------------------------------------- bad input
-LONG = "hello world " * 400
-
-BAD_REQUESTS = [
-    # (name, path, body (dict) or raw bytes, expected status)
-    ("invalid json", "/v1/completions", b"{bad json", 400),
-    ("empty body", "/v1/completions", b"", 400),
-    ("body not an object", "/v1/completions", [1, 2], 400),
-    ("missing prompt", "/v1/completions", {"max_tokens": 4}, 400),
-    ("prompt wrong type", "/v1/completions", {"prompt": 123}, 400),
-    ("prompt empty string", "/v1/completions", {"prompt": ""}, 400),
-    ("prompt empty list", "/v1/completions", {"prompt": []}, 400),
-    ("prompt mixed list", "/v1/completions", {"prompt": ["a", 1]}, 400),
-    ("token id beyond vocab", "/v1/completions", {"prompt": [5, 999999]}, 400),
-    ("negative token id", "/v1/completions", {"prompt": [-1, 5]}, 400),
-    ("prompt beyond context", "/v1/completions", {"prompt": LONG, "max_tokens": 1}, 400),
-    ("max_tokens beyond context", "/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400),
-    ("max_tokens string", "/v1/completions", {"prompt": "hi", "max_tokens": "10"}, 400),
-    ("max_tokens zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
-    ("max_tokens float", "/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400),
-    ("temperature negative", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
-    ("temperature string", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400),
-    ("temperature too high", "/v1/completions", {"prompt": "hi", "temperature": 3}, 400),
-    ("top_p zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
-    ("top_p above one", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400),
-    ("top_k below -1", "/v1/completions", {"prompt": "hi", "top_k": -2}, 400),
-    ("top_k beyond int32", "/v1/completions", {"prompt": "hi", "top_k": 2**64}, 400),
-    ("n zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400),
-    ("n too large", "/v1/completions", {"prompt": "hi", "n": 1000}, 400),
-    ("n boolean", "/v1/completions", {"prompt": "hi", "n": True}, 400),
-    ("stop wrong type", "/v1/completions", {"prompt": "hi", "stop": 5}, 400),
-    ("stop empty string", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
-    ("too many stop strings", "/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(40)]}, 400),
-    ("logprobs too many", "/v1/completions", {"prompt": "hi", "logprobs": 21}, 400),
-    ("logprobs boolean in completions", "/v1/completions", {"prompt": "hi", "logprobs": True}, 400),
-    ("presence_penalty out of range", "/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400),
-    ("frequency_penalty string", "/v1/completions", {"prompt": "hi", "frequency_penalty": "x"}, 400),
-    ("repetition_penalty zero", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400),
-    ("repetition_penalty negative", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": -1.1}, 400),
-    ("repetition_penalty string", "/v1/completions", {"prompt": "hi", "repetition_penalty": "1.1"}, 400),
-    ("repetition_penalty zero in extra_body", "/v1/completions",
-     {"prompt": "hi", "extra_body": {"repetition_penalty": 0}}, 400),
-    ("extra_body not an object", "/v1/completions", {"prompt": "hi", "extra_body": [1]}, 400),
-    ("extra_body clash", "/v1/completions", {"prompt": "hi", "top_k": 2, "extra_body": {"top_k": 3}}, 400),
-    ("seed string", "/v1/completions", {"prompt": "hi", "seed": "abc"}, 400),
-    ("seed too large", "/v1/completions", {"prompt": "hi", "seed": 2**70}, 400),
-    ("stream string", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400),
-    ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
-    ("stop_token_ids wrong type", "/v1/completions", {"prompt": "hi", "stop_token_ids": ["a"]}, 400),
-    ("max_tokens zero without echo", "/v1/completions", {"prompt": "hi", "max_tokens": 0, "logprobs": 1}, 400),
-    ("prompt_logprobs streamed", "/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400),
-    ("prompt_logprobs too many", "/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400),
-    ("logit_bias above 100", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400),
-    ("logit_bias key not an id", "/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}, 400),
-    ("logit_bias id beyond vocab", "/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400),
-    ("logit_bias a list", "/v1/completions", {"prompt": "hi", "logit_bias": [[5, 1]]}, 400),
-    ("min_p above one", "/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400),
-    ("min_tokens above max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400),
-    ("min_tokens negative", "/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400),
-    ("skip_special_tokens string", "/v1/completions", {"prompt": "hi", "skip_special_tokens": "no"}, 400),
-    ("include_stop_str_in_output number", "/v1/completions", {"prompt": "hi", "include_stop_str_in_output": 1}, 400),
-    ("use_beam_search", "/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400),
-    ("add_special_tokens true", "/v1/completions", {"prompt": "hi", "add_special_tokens": True}, 400),
-    ("chat continue_final_message with add_generation_prompt", "/v1/chat/completions",
-     {"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True,
-      "add_generation_prompt": True}, 400),
-    ("chat continue_final_message after a user message", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, 400),
-    ("chat chat_template_kwargs a list", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}, 400),
-    ("chat chat_template_kwargs reserved", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}}, 400),
-    ("chat chat_template a number", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "chat_template": 5}, 400),
-    ("chat broken chat_template", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{% if %}"}, 400),
-    ("chat name a number", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400),
-    ("model wrong type", "/v1/completions", {"prompt": "hi", "model": 123}, 400),
-    ("unknown model", "/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404),
-    ("chat missing messages", "/v1/chat/completions", {"max_tokens": 4}, 400),
-    ("chat empty messages", "/v1/chat/completions", {"messages": []}, 400),
-    ("chat messages string", "/v1/chat/completions", {"messages": "hi"}, 400),
-    ("chat message not object", "/v1/chat/completions", {"messages": ["hi"]}, 400),
-    ("chat unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
-    ("chat content number", "/v1/chat/completions", {"messages": [{"role": "user", "content": 42}]}, 400),
-    ("chat image part", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
-    ("chat top_logprobs without logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
-    ("chat max_completion_tokens beyond context", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}, 400),
-    ("chat prompt beyond context", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400),
-    ("chat tools", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400),
-    ("chat unknown model", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404),
-    ("chat unknown message field", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "x": 1}]}, 400),
-    ("response_format unknown type", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400),
-    ("json_schema without schema", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400),
-    ("json_schema schema not an object", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, 400),
-    ("structured_outputs two kinds", "/v1/completions",
-     {"prompt": "hi", "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400),
-    ("structured_outputs empty choice", "/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": []}}, 400),
-    ("structured_outputs unknown kind", "/v1/completions", {"prompt": "hi", "structured_outputs": {"xml": "a"}}, 400),
-    ("response_format and structured_outputs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400),
-    ("tool_choice without tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400),
-    ("tool_choice names an unknown function", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400),
-    ("tool parameters not an object", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, 400),
-    ("tool message without tool_call_id", "/v1/chat/completions",
-     {"messages": [{"role": "tool", "content": "42"}]}, 400),
-    ("min_tokens with structured output", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 3, "response_format": {"type": "json_object"}}, 400),
-    ("assistant tool_calls arguments not JSON", "/v1/chat/completions",
-     {"messages": [{"role": "assistant", "content": None, "tool_calls": [
-         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]}, 400),
-]
-
-
 @pytest.mark.parametrize("name,path,body,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_requests(env, name, path, body, status):
     c = env["client"]
@@ -202,7 +74,7 @@ def test_bad_requests(env, name, path, body, status):
     else:
         resp = c.post(path, json=body)
     assert resp.status_code == status, resp.text
-    assert _is_openai_error(resp.json()), resp.text
+    assert is_openai_error(resp.json()), resp.text
     assert env["r"].xlen(stream) == before, "a bad request must not be queued"
 
 
@@ -213,11 +85,11 @@ def test_bad_input_table_is_large():
 def test_wrong_routes_and_methods(env):
     c = env["client"]
     r = c.get("/v1/completions")
-    assert r.status_code == 405 and _is_openai_error(r.json())
+    assert r.status_code == 405 and is_openai_error(r.json())
     r = c.post("/v1/nothing", json={})
-    assert r.status_code == 404 and _is_openai_error(r.json())
+    assert r.status_code == 404 and is_openai_error(r.json())
     r = c.delete("/v1/chat/completions")
-    assert r.status_code == 405 and _is_openai_error(r.json())
+    assert r.status_code == 405 and is_openai_error(r.json())
 
 
 def test_oversized_body(own_redis, tiny_model_dir):
@@ -226,10 +98,10 @@ def test_oversized_body(own_redis, tiny_model_dir):
     try:
         with httpx.Client(base_url=srv.url, trust_env=False, timeout=10) as c:
             r = c.post("/v1/completions", json={"prompt": "x" * 5000})
-            assert r.status_code == 413 and _is_openai_error(r.json())
+            assert r.status_code == 413 and is_openai_error(r.json())
             # Chunked upload without Content-Length is cut off too.
             r = c.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * 4000, b'"}']))
-            assert r.status_code == 413 and _is_openai_error(r.json())
+            assert r.status_code == 413 and is_openai_error(r.json())
             assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     finally:
         srv.stop()
@@ -448,10 +320,10 @@ def test_sequence_gap_is_an_error(env, stream):
         status, events = post_stream(env["client"], "/v1/completions", body)
         assert events[-1] == "[DONE]"
         err = events[-2]
-        assert _is_openai_error(err) and err["error"]["code"] == "stream_gap"
+        assert is_openai_error(err) and err["error"]["code"] == "stream_gap"
     else:
         r = env["client"].post("/v1/completions", json=body)
-        assert r.status_code >= 500 and _is_openai_error(r.json())
+        assert r.status_code >= 500 and is_openai_error(r.json())
         assert r.json()["error"]["code"] == "stream_gap"
 
 
@@ -576,7 +448,7 @@ def test_auth(own_redis, tiny_model_dir):
         with httpx.Client(base_url=srv.url, trust_env=False, timeout=10) as c:
             body = {"prompt": "hi", "max_tokens": 2}
             r = c.post("/v1/completions", json=body)
-            assert r.status_code == 401 and _is_openai_error(r.json())
+            assert r.status_code == 401 and is_openai_error(r.json())
             r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 401
             r = c.post("/v1/completions", json=body, headers={"Authorization": "Basic key-one"})
@@ -607,7 +479,7 @@ def test_admission_control(own_redis, tiny_model_dir):
     try:
         # No engine: 503 with Retry-After.
         resp = c.post("/v1/completions", json=body)
-        assert resp.status_code == 503 and "retry-after" in resp.headers and _is_openai_error(resp.json())
+        assert resp.status_code == 503 and "retry-after" in resp.headers and is_openai_error(resp.json())
         assert c.get("/ready").status_code == 503
         # An engine reporting a full queue: 429.
         eng = FakeEngine(own_redis.url, engine_id="fake-busy", model=tiny_model_dir.name, hb={"num_waiting": 50})

@@ -6,26 +6,9 @@ import numpy as np
 import pytest
 
 from shared.gguf_quant import PackedWeight, concat, repack
+from tests.support.gguf_files import gguf_tensor
 
 T = gguf.GGMLQuantizationType
-# (type, byte offsets of fp16 fields inside a block): K-quants are filled with random bytes, whose
-# fp16 fields are set to ordinary values (random bits would be NaNs and infinities)
-K_QUANT_F16 = {"Q4_K": (0, 2), "Q6_K": (208,)}
-
-
-def gguf_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Raw GGUF bytes [n, row bytes] of a random tensor of `type_name`."""
-    rng = np.random.default_rng(seed)
-    qtype = T[type_name]
-    if type_name not in K_QUANT_F16:
-        return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32), qtype)
-    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    b = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
-    for off in K_QUANT_F16[type_name]:
-        b[..., off:off + 2] = rng.uniform(1e-3, 1e-1, (n, k // block)).astype(np.float16)[..., None].view(np.uint8)
-    return b.reshape(n, -1)
-
-
 @pytest.mark.parametrize("type_name,k", [("Q4_0", 96), ("Q4_1", 96), ("Q8_0", 96), ("Q4_K", 512), ("Q6_K", 512)])
 def test_repack_is_bit_identical_to_gguf(type_name, k):
     data = gguf_tensor(type_name, 24, k)

@@ -13,7 +13,7 @@ from engine_worker.model.quant_layers import INT8_ROWS, MIN_DENSE_ROWS, QuantEmb
 from engine_worker.model.quant_tiles import TILE_ROWS
 from kernels.cpu_attention import cpp_attention_available, cpu_capability, int8_activations_built
 from shared.gguf_quant import PackedWeight, concat, repack
-from tests.kernels.test_gguf_quant import gguf_tensor
+from tests.support.gguf_files import gguf_tensor
 from tests.support.isa_builds import assert_passes_in_isa_build
 
 pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")

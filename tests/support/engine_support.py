@@ -56,6 +56,11 @@ class WorkerThread:
         assert self.error is None, f"worker loop raised {self.error!r}"
 
 
+def e2e_worker(url, model_dir, engine_id, **kw) -> WorkerThread:
+    """A worker that gateways give up on quickly (heartbeat TTL 1.5 s)."""
+    return WorkerThread(url, model_dir, engine_id, **({"heartbeat_ttl": 1.5} | kw))
+
+
 def wait_until(cond, timeout: float = 15.0, interval: float = 0.02, what: str = "condition"):
     """Poll `cond` until it returns a truthy value, which is returned."""
     deadline = time.monotonic() + timeout

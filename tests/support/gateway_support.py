@@ -66,6 +66,14 @@ def start_gateway(redis_url: str, model_dir, **overrides) -> ServerThread:
     return ServerThread(create_app(cfg)).start()
 
 
+def openai_client(srv: ServerThread):
+    """The `openai` SDK's client of a gateway: no retries, no proxy from the environment."""
+    import httpx
+    import openai
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60,
+                         http_client=httpx.Client(trust_env=False, timeout=60))
+
+
 # ---------------------------------------------------------------------- a scripted fake engine
 @dataclass
 class FakeRequest:
@@ -268,6 +276,31 @@ def post_stream(client, url: str, body: dict, headers: dict | None = None) -> tu
             resp.read()
             return resp.status_code, [resp.json()]
         return 200, sse_events(resp.iter_lines())
+
+
+async def stream_completion(client, body: dict) -> dict:
+    """POST a streamed /v1/completions (an httpx.AsyncClient) and gather it: the text, the last
+    finish_reason, whether [DONE] came, the error events and the usage chunk."""
+    text, finish, done, errors, usage = "", None, False, [], None
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                continue
+            ev = json.loads(data)
+            if "error" in ev:
+                errors.append(ev["error"])
+                continue
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for c in ev["choices"]:
+                text += c["text"]
+                finish = c["finish_reason"] or finish
+    return {"text": text, "finish": finish, "done": done, "errors": errors, "usage": usage}
 
 
 def run_async(coro):

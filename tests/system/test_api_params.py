@@ -8,10 +8,9 @@ import logging
 import httpx
 import pytest
 
-from tests.support.engine_support import wait_until
-from tests.support.gateway_support import post_stream, start_gateway
+from tests.support.engine_support import e2e_worker, wait_until
+from tests.support.gateway_support import openai_client, post_stream, start_gateway
 from tests.support.redis_server import RedisServer
-from tests.system.test_e2e import e2e_worker, openai_client
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,9 +19,9 @@ import pytest
 import redis
 
 from shared import names
-from tests.gateway.test_gateway import BAD_REQUESTS, _is_openai_error
-from tests.support.engine_support import WorkerThread, wait_until
-from tests.support.gateway_support import post_stream, start_gateway
+from tests.support.bad_requests import BAD_REQUESTS, is_openai_error
+from tests.support.engine_support import e2e_worker, wait_until
+from tests.support.gateway_support import openai_client, post_stream, start_gateway, stream_completion
 from tests.support.paths import ROOT
 from tests.support.redis_server import RedisServer
 
@@ -29,18 +29,6 @@ pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = ["Hello world", "The quick brown fox", "Paris is the capital of", "A paged KV cache"]
 CHAT = [{"role": "user", "content": "How are you today?"}]
-
-
-# ---------------------------------------------------------------------- helpers
-def e2e_worker(url, model_dir, engine_id, **kw) -> WorkerThread:
-    """A worker that gateways give up on quickly (heartbeat TTL 1.5 s)."""
-    return WorkerThread(url, model_dir, engine_id, **({"heartbeat_ttl": 1.5} | kw))
-
-
-def openai_client(srv):
-    import openai
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60,
-                         http_client=httpx.Client(trust_env=False, timeout=60))
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +140,7 @@ def test_malformed_requests(stack, name, path, body, status):
         else:
             resp = c.post(path, json=body)
     assert resp.status_code == status, resp.text
-    assert 400 <= resp.status_code < 500 and _is_openai_error(resp.json())
+    assert 400 <= resp.status_code < 500 and is_openai_error(resp.json())
 
 
 def test_websocket_chat_and_cancel(stack, reference):
@@ -250,21 +238,9 @@ def test_two_gateways_two_engines_40_concurrent_streams(tiny_model_dir, referenc
 
         async def one(i: int, client: httpx.AsyncClient):
             body = {"prompt": reference["ids40"][i], "max_tokens": 6, "temperature": 0, "stream": True}
-            text, finish, done = "", None, False
-            async with client.stream("POST", "/v1/completions", json=body) as resp:
-                assert resp.status_code == 200
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        continue
-                    ev = json.loads(data)
-                    assert "error" not in ev, ev
-                    text += ev["choices"][0]["text"]
-                    finish = ev["choices"][0]["finish_reason"] or finish
-            return text, finish, done
+            out = await stream_completion(client, body)
+            assert not out["errors"], out["errors"]
+            return out["text"], out["finish"], out["done"]
 
         async def main():
             clients = [httpx.AsyncClient(base_url=g.url, trust_env=False, timeout=60,

@@ -14,10 +14,9 @@ import sys
 import httpx
 import pytest
 
-from tests.support.engine_support import wait_until
-from tests.support.gateway_support import start_gateway
+from tests.support.engine_support import e2e_worker, wait_until
+from tests.support.gateway_support import openai_client, start_gateway
 from tests.support.redis_server import RedisServer
-from tests.system.test_e2e import e2e_worker, openai_client
 
 pytestmark = pytest.mark.timeout(600)
 
