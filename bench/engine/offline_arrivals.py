@@ -69,10 +69,11 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=1024, help="as a CPU server's default")
     ap.add_argument("--long-step", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--dtype", default="auto", help="as `kaiten serve --dtype`")
     ap.add_argument("--out", default=str(results_dir(__file__) / "offline_arrivals"))
     args = ap.parse_args()
     before = load_avg()
-    llm = LLM(args.model, quantization="auto", max_num_seqs=max(args.concurrency, 1),
+    llm = LLM(args.model, dtype=args.dtype, quantization="auto", max_num_seqs=max(args.concurrency, 1),
               max_num_batched_tokens=args.token_budget)
     llm.generate([[100 + i for i in range(args.input_len)]] * 2,
                  SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))     # compiles, warms up
@@ -80,6 +81,7 @@ def main() -> None:
     long = [s for s in steps if s > args.long_step]
     short = [s for s in steps if s <= args.long_step]
     report = {"cpu": cpu_name(), "cpu_id": cpu_id(), "flags": " ".join(cpu_flags()), "isa": cpu_capability()[0],
+              "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
               "model": Path(args.model).name, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "load_avg_before": before,
               "load_avg_after": load_avg(), "output_tokens": tokens, "seconds": seconds,
@@ -88,7 +90,8 @@ def main() -> None:
               "short_step_median_ms": 1e3 * statistics.median(short) if short else None}
     markdown = "\n".join([
         "# The engine alone on a served run's arrivals (bench/engine/offline_arrivals.py)\n",
-        f"CPU: {report['cpu']} ({report['cpu_id']}; flags: {report['flags']}), extension ISA {report['isa']}. "
+        f"CPU: {report['cpu']} ({report['cpu_id']}; flags: {report['flags']}), extension ISA {report['isa']}, "
+        f"dtype {report['dtype']} (--dtype {args.dtype}). "
         f"Load {before} before, {report['load_avg_after']} after. {report['model']}, quantization auto: "
         f"a token budget of {args.token_budget}, {args.concurrency} requests in flight, a new one as each finishes, {args.num_prompts} in all, "
         f"random {args.input_len}-token prompts, {args.output_len} tokens each (greedy, ignore_eos).\n",
