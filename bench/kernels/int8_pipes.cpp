@@ -52,7 +52,7 @@ MIX(maddwd_fma, "vpmaddwd", "vfmadd231ps")
 
 // One row of x against a panel's two vectors (weights in ymm12-15, ones in ymm11), accumulators
 // ymm0-5, x broadcast from memory: 3 rows a quad of inputs, 192 products.
-int32_t xbuf[16];
+int32_t xbuf[16];   // the nibble split also reads its second half, as the widening multiplier
 // the multiplies and adds of a row once x (ymm<x>, and its copy in ymm9) has taken w's sign
 #define MULTIPLY_ADD(x, a0, a1)                                                                      \
   "vpmaddubsw %%ymm9, %%ymm14, %%ymm9\n vpmaddubsw %%ymm" #x ", %%ymm15, %%ymm" #x "\n"             \
@@ -70,6 +70,15 @@ int32_t xbuf[16];
   "vpbroadcastd " #off "(%0), %%ymm" #x "\n vpmaddwd %%ymm" #w0 ", %%ymm" #x ", %%ymm9\n"          \
   "vpmaddwd %%ymm" #w1 ", %%ymm" #x ", %%ymm10\n vpaddd %%ymm9, %%ymm" #a0 ", %%ymm" #a0 "\n"      \
   "vpaddd %%ymm10, %%ymm" #a1 ", %%ymm" #a1 "\n"
+// nibble split: int8 weights stored as w + 128 in two unsigned nibble vectors per panel vector (h0,
+// l0, h1, l1 in ymm12-15) against x's signed bytes, int16 sums over a group's 8 quads (15 * 127 * 2
+// * 8 fits), widened once a group (2 vpmaddwd and 2 vpaddd for every 2 quads of 2 rows)
+#define NIB_ROW(off, a0, a1, a2, a3)                                                                 \
+  "vpbroadcastd " #off "(%0), %%ymm8\n"                                                           \
+  "vpmaddubsw %%ymm8, %%ymm12, %%ymm9\n vpaddw %%ymm9, %%ymm" #a0 ", %%ymm" #a0 "\n"             \
+  "vpmaddubsw %%ymm8, %%ymm13, %%ymm10\n vpaddw %%ymm10, %%ymm" #a1 ", %%ymm" #a1 "\n"           \
+  "vpmaddubsw %%ymm8, %%ymm14, %%ymm11\n vpaddw %%ymm11, %%ymm" #a2 ", %%ymm" #a2 "\n"           \
+  "vpmaddubsw %%ymm8, %%ymm15, %%ymm9\n vpaddw %%ymm9, %%ymm" #a3 ", %%ymm" #a3 "\n"
 #define CLOBBERS "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10"
 
 void sign_trick() {
@@ -85,6 +94,14 @@ void int16_pairs() {
     asm volatile(PAIRS_ROW(0, 6, 12, 13, 0, 1) PAIRS_ROW(4, 7, 12, 13, 2, 3) PAIRS_ROW(8, 8, 12, 13, 4, 5)
                  PAIRS_ROW(12, 6, 14, 15, 0, 1) PAIRS_ROW(16, 7, 14, 15, 2, 3) PAIRS_ROW(20, 8, 14, 15, 4, 5)
                  ::"r"(xbuf) : CLOBBERS);
+}
+
+void nibble_split() {
+  for (long i = 0; i < kIters; ++i)
+    asm volatile(NIB_ROW(0, 0, 1, 2, 3) NIB_ROW(4, 4, 5, 6, 7) NIB_ROW(8, 0, 1, 2, 3) NIB_ROW(12, 4, 5, 6, 7)
+                 "vpmaddwd 32(%0), %%ymm0, %%ymm10\n vpmaddwd 32(%0), %%ymm5, %%ymm11\n"
+                 "vpaddd %%ymm10, %%ymm11, %%ymm10\n vpaddd %%ymm10, %%ymm9, %%ymm9\n"
+                 ::"r"(xbuf) : CLOBBERS, "xmm11");
 }
 
 struct Case {
@@ -105,7 +122,8 @@ int main() {
       {"vpmaddwd + vfmadd231ps", maddwd_fma, 8, 0},
       {"panel, sign trick (3 rows x 2 vectors, a quad)", sign_trick, 27, 192},
       {"panel, sign by xor and sub", xor_sub, 33, 192},
-      {"panel, int16 pairs (two pairs)", int16_pairs, 30, 192}};
+      {"panel, int16 pairs (two pairs)", int16_pairs, 30, 192},
+      {"panel, nibble split (2 rows x 2 vectors, 2 quads)", nibble_split, 40, 256}};
   constexpr int kCases = sizeof(cases) / sizeof(cases[0]), kRounds = 9;
   // every round: the clock, then each case in cycles an iteration, by that round's clock
   std::vector<double> cycles[kCases], clocks;

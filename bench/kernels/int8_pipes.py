@@ -1,7 +1,8 @@
 """Which AVX2 integer instructions share this CPU's vector pipes: the int8 kernels' instructions
-(kernels/csrc/quant/) alone and in pairs, and three ways the int8 panel GEMM's inner loop could
+(kernels/csrc/quant/) alone and in pairs, and four ways the int8 panel GEMM's inner loop could
 multiply int8 weights by int8 x without VNNI (the sign trick it uses, the sign by xor and sub,
-int16 pairs), on data in registers, in instructions and multiply-adds a cycle of one core.
+int16 pairs, the weights as nibbles of w + 128 summed in int16 over a group), on data in
+registers, in instructions and multiply-adds a cycle of one core.
 
 A kernel's own rate (bench/kernels/kernel_ab.py) is lower: its loads, a group's scaling and the panels'
 packing take their share. The clock comes from a chain of dependent adds (one a cycle).
@@ -56,7 +57,8 @@ def main() -> None:
         f"chain of dependent adds. Load {before} before, {report['load_avg_after']} after. Medians of 9 rounds, each "
         "timing the clock and then every mix. Each mix: 8 "
         "independent instructions an iteration (two kinds: alternating), or a kernel loop's quad of inputs for 3 "
-        "rows of x against a panel's two vectors, 192 multiply-adds, its x broadcast from memory.\n",
+        "rows of x against a panel's two vectors, 192 multiply-adds (the nibble split: two quads of 2 rows, 256), "
+        "its x broadcast from memory.\n",
         "| instructions | a cycle | multiply-adds a cycle |",
         "|---|---:|---:|",
         *rows,
