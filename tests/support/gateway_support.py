@@ -281,26 +281,21 @@ def post_stream(client, url: str, body: dict, headers: dict | None = None) -> tu
 async def stream_completion(client, body: dict) -> dict:
     """POST a streamed /v1/completions (an httpx.AsyncClient) and gather it: the text, the last
     finish_reason, whether [DONE] came, the error events and the usage chunk."""
-    text, finish, done, errors, usage = "", None, False, [], None
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                continue
-            ev = json.loads(data)
-            if "error" in ev:
-                errors.append(ev["error"])
-                continue
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for c in ev["choices"]:
-                text += c["text"]
-                finish = c["finish_reason"] or finish
-    return {"text": text, "finish": finish, "done": done, "errors": errors, "usage": usage}
+        events = sse_events([line async for line in resp.aiter_lines()])
+    text, finish, errors, usage = "", None, [], None
+    for ev in events:
+        if ev == "[DONE]":
+            continue
+        if "error" in ev:
+            errors.append(ev["error"])
+            continue
+        usage = ev.get("usage") or usage
+        for c in ev["choices"]:
+            text += c["text"]
+            finish = c["finish_reason"] or finish
+    return {"text": text, "finish": finish, "done": "[DONE]" in events, "errors": errors, "usage": usage}
 
 
 def run_async(coro):
