@@ -102,6 +102,12 @@ def int8_activations_built() -> bool:
     return cpu_capability()[0] != "default"
 
 
+def int8_x_levels(bits: int) -> int:
+    """The integer levels of x's int8 rounding against `bits`-bit weights (quant_linear's
+    x_levels): 7 bits (63) against int8 weights where the build has no AVX512-VNNI, else 127."""
+    return 63 if bits == 8 and "-mavx512vnni" not in cpu_capability()[1] else 127
+
+
 def _build_dir(name: str) -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "kaiten" / "torch_extensions"
     # the torch version too: an extension is tied to the libtorch it was built against

@@ -65,6 +65,13 @@ int32_t xbuf[16];   // the nibble split also reads its second half, as the widen
   "vpbroadcastd " #off "(%0), %%ymm" #x "\n vpxor %%ymm12, %%ymm" #x ", %%ymm9\n"                  \
   "vpxor %%ymm13, %%ymm" #x ", %%ymm" #x "\n vpsubb %%ymm12, %%ymm9, %%ymm9\n"                     \
   "vpsubb %%ymm13, %%ymm" #x ", %%ymm" #x "\n" MULTIPLY_ADD(x, a0, a1)
+// x rounded to 7 bits and stored as x + 64 (unsigned): vpmaddubsw takes it against w's signed
+// bytes as they are (a pair's sum, 2 * 127 * 128, fits int16), no sign instruction
+#define X7_ROW(off, x, a0, a1)                                                                       \
+  "vpbroadcastd " #off "(%0), %%ymm" #x "\n vpmaddubsw %%ymm12, %%ymm" #x ", %%ymm9\n"            \
+  "vpmaddubsw %%ymm13, %%ymm" #x ", %%ymm" #x "\n"                                                 \
+  "vpmaddwd %%ymm11, %%ymm9, %%ymm9\n vpmaddwd %%ymm11, %%ymm" #x ", %%ymm" #x "\n"               \
+  "vpaddd %%ymm9, %%ymm" #a0 ", %%ymm" #a0 "\n vpaddd %%ymm" #x ", %%ymm" #a1 ", %%ymm" #a1 "\n"
 // int16 pairs: a pair of x's int16 broadcast against two vectors of int16 weight pairs (w0, w1)
 #define PAIRS_ROW(off, x, w0, w1, a0, a1)                                                            \
   "vpbroadcastd " #off "(%0), %%ymm" #x "\n vpmaddwd %%ymm" #w0 ", %%ymm" #x ", %%ymm9\n"          \
@@ -88,6 +95,10 @@ void sign_trick() {
 void xor_sub() {
   for (long i = 0; i < kIters; ++i)
     asm volatile(XORSUB_ROW(0, 6, 0, 1) XORSUB_ROW(4, 7, 2, 3) XORSUB_ROW(8, 8, 4, 5) ::"r"(xbuf) : CLOBBERS);
+}
+void x7() {
+  for (long i = 0; i < kIters; ++i)
+    asm volatile(X7_ROW(0, 6, 0, 1) X7_ROW(4, 7, 2, 3) X7_ROW(8, 8, 4, 5) ::"r"(xbuf) : CLOBBERS);
 }
 void int16_pairs() {
   for (long i = 0; i < kIters; ++i)
@@ -122,6 +133,7 @@ int main() {
       {"vpmaddwd + vfmadd231ps", maddwd_fma, 8, 0},
       {"panel, sign trick (3 rows x 2 vectors, a quad)", sign_trick, 27, 192},
       {"panel, sign by xor and sub", xor_sub, 33, 192},
+      {"panel, x as 7-bit unsigned (no sign)", x7, 21, 192},
       {"panel, int16 pairs (two pairs)", int16_pairs, 30, 192},
       {"panel, nibble split (2 rows x 2 vectors, 2 quads)", nibble_split, 40, 256}};
   constexpr int kCases = sizeof(cases) / sizeof(cases[0]), kRounds = 9;

@@ -1,8 +1,9 @@
 """Which AVX2 integer instructions share this CPU's vector pipes: the int8 kernels' instructions
-(kernels/csrc/quant/) alone and in pairs, and four ways the int8 panel GEMM's inner loop could
-multiply int8 weights by int8 x without VNNI (the sign trick it uses, the sign by xor and sub,
-int16 pairs, the weights as nibbles of w + 128 summed in int16 over a group), on data in
-registers, in instructions and multiply-adds a cycle of one core.
+(kernels/csrc/quant/) alone and in pairs, and five ways the int8 panel GEMM's inner loop could
+multiply int8 weights by x without VNNI (the sign trick it used, the sign by xor and sub, 7-bit x
+as x + 64 against w as stored (what it does now), int16 pairs, the weights as nibbles of w + 128
+summed in int16 over a group), on data in registers, in instructions and multiply-adds a cycle of
+one core.
 
 A kernel's own rate (bench/kernels/kernel_ab.py) is lower: its loads, a group's scaling and the panels'
 packing take their share. The clock comes from a chain of dependent adds (one a cycle).

@@ -11,9 +11,10 @@
 // Six methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
 // from the caller, measured by bench/kernels/quant_linear.py):
 // * m <= int8_rows, in an AVX-512 or AVX2 build: *int8 activations*, as llama.cpp computes: x
-//   rounded to int8 per block of 32, integer dot products with the stored integers (vpdpbusd with
-//   AVX512-VNNI, 64 byte products an instruction; else vpmaddubsw and vpmaddwd), scaled per group
-//   in fp32. x is inexact (about 1% of the output's norm), the fewest instructions per weight. Up
+//   rounded to int8 per block of 32 (7 bits against int8 weights without VNNI, int8_x.h), integer
+//   dot products with the stored integers (vpdpbusd with AVX512-VNNI, 64 byte products an
+//   instruction; else vpmaddubsw and vpmaddwd), scaled per group in fp32. x is inexact (about 1%
+//   of the output's norm), the fewest instructions per weight. Up
 //   to kInt8BlockRows rows a row at a time against each tile (int8_block); more by the *int8 panel
 //   GEMM* (Int8Panel): panel_gemm's panels hold the stored integers reordered by quads of inputs,
 //   each quad of a row of x broadcast against them.

@@ -11,7 +11,7 @@ import torch
 
 from engine_worker.model.quant_layers import INT8_ROWS, MIN_DENSE_ROWS, QuantEmbedding, QuantLinear
 from engine_worker.model.quant_tiles import TILE_ROWS
-from kernels.cpu_attention import cpp_attention_available, cpu_capability, int8_activations_built
+from kernels.cpu_attention import cpp_attention_available, cpu_capability, int8_activations_built, int8_x_levels
 from shared.gguf_quant import PackedWeight, concat, repack
 from tests.support.gguf_files import gguf_tensor
 from tests.support.isa_builds import assert_passes_in_isa_build
@@ -113,19 +113,20 @@ def test_half_precision_activations(fmt, n, k, m, dtype):
         torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
-def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the int8 method sees it, in fp64: per row and block of 32, q = x * (127 / amax) rounded
-    to nearest even (fp32 arithmetic, as the kernel), times amax / 127."""
+def int8_rounded(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """x as the int8 method sees it, in fp64: per row and block of 32, q = x * (levels / amax)
+    rounded to nearest even (fp32 arithmetic, as the kernel), times amax / levels."""
     m, k = x.shape
     xb = x.float().view(m, k // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    q = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).clamp(-128, 127)
-    return (q.double() * (amax / 127).double()).view(m, k)
+    q = torch.round(xb * torch.where(amax > 0, levels / amax, torch.zeros_like(amax))).clamp(-levels, levels)
+    return (q.double() * (amax / levels).double()).view(m, k)
 
 
 def int8_reference(x: torch.Tensor, lin: QuantLinear) -> torch.Tensor:
-    """The int8 method's exact result: the dequantized weight times the int8-rounded x."""
-    return int8_rounded(x) @ lin.dequantize().double().T
+    """The int8 method's exact result: the dequantized weight times the int8-rounded x (7 bits
+    against int8 weights in builds without VNNI)."""
+    return int8_rounded(x, int8_x_levels(lin.fmt.bits)) @ lin.dequantize().double().T
 
 
 @pytest.mark.parametrize("fmt,n,k", CASES)

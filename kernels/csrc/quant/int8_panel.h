@@ -12,20 +12,20 @@ namespace kaiten::quant {
 
 #if defined(KAITEN_INT8_ACTIVATIONS)
 // The int8 panel GEMM: int8 activations for more rows than int8_block serves well. x's rows are
-// rounded as quantize_rows rounds them, each into a record of x_record_bytes(): its k integers,
-// then per block of 32 its scale (fp32) and per weight group the rounded x's sum (fp32, where
+// rounded as quantize_rows rounds them, each into a record of x_record_bytes(): its k integers
+// (plus 64 where the panel meets them unsigned, x_unsigned), then per block of 32 its scale (fp32) and per weight group the rounded x's sum (fp32, where
 // the panel has mins: their factor). Zero records are zero rows, so panel_gemm's padded tail needs
-// nothing more. A panel is
+// nothing more (their products are not stored). A panel is
 // 2 x kIntLanes weight rows, per group their scales and mins (fp32), then the group's integers
 // by quads of inputs, [G / 4][kPanel][4] bytes, so one vector holds 4 inputs of kIntLanes weight
 // rows and meets 4 bytes of a row of x broadcast to every lane: int4 as bytes 0-15 (vpmaddubsw
-// pairs summed in int16 over a group: 8 x 2 x 15 x 127 fits; with VNNI vpdpbusd), int8 signed
-// (|w| against x times w's sign, vpmaddwd each quad, each quad's |w| stored after its w: taken
-// in the loop, 2 vpabsb a quad for 3 rows of x cost AVX2 on a Zen 4 1.01-1.08x the time at 32
-// and 256 rows, bench/results/kernel_ab/kernel_ab_zen4_avx2_absw.md; with VNNI as w + 128, and the panel's mins
-// less 128 times the scales take back what that adds, in fp32 with the weight's own mins: an
-// int32 correction per row and group before the scaling made GCC spill the 24 accumulators, half
-// the speed on a Zen 4). Per group each row's int32 dots are scaled into fp32 accumulators, as in
+// pairs summed in int16 over a group: 8 x 2 x 15 x 127 fits; with VNNI vpdpbusd); int8 with VNNI
+// as w + 128, and the panel's mins less 128 times the scales take back what that adds, in fp32
+// with the weight's own mins (an int32 correction per row and group before the scaling made GCC
+// spill the 24 accumulators, half the speed on a Zen 4); int8 without VNNI signed as stored,
+// against x's 7-bit integers as x + 64 (x_levels), each quad by vpmaddubsw and vpmaddwd, and the
+// group's dots start from -64 times each row's sum of the group's integers, stored after the
+// scales and mins. Per group each row's int32 dots are scaled into fp32 accumulators, as in
 // int8_block, and the output is written in x's dtype.
 inline int64_t x_record_bytes(const Tiles& w) { return (w.k + 4 * (w.k / 32) + 4 * w.groups + 63) / 64 * 64; }
 
@@ -34,6 +34,9 @@ template <typename I>
 constexpr bool panel_biased() { return kVnni && !I::kInt4; }
 template <typename I>
 bool panel_mins(const Tiles& w) { return w.has_mins || panel_biased<I>(); }
+// Whether the int8 panel meets x as unsigned x + 64: int8 weights without VNNI (7-bit x).
+template <typename I>
+constexpr bool x_unsigned() { return !I::kInt4 && !kVnni; }
 
 template <typename I>
 std::vector<int8_t> x_records(const Tiles& w, const float* x, int64_t m) {
@@ -44,8 +47,10 @@ std::vector<int8_t> x_records(const Tiles& w, const float* x, int64_t m) {
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* q = rec.data() + r * ld;
       float* d = reinterpret_cast<float*>(q + w.k);
-      round_blocks(x + r * w.k, w.k / 32, q, d);
+      round_blocks(x + r * w.k, w.k / 32, x_levels<I>(), q, d);
       if (panel_mins<I>(w)) scaled_group_sums<G>(q, d, w.groups, d + w.k / 32);
+      if constexpr (x_unsigned<I>())
+        for (int64_t i = 0; i < w.k; ++i) q[i] = static_cast<int8_t>(q[i] + 64);
     }
   });
   return rec;
@@ -62,27 +67,29 @@ inline IVec bcast_quad(const int8_t* p) {
 #endif
 }
 
-inline IVec iabs8(IVec v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_abs_epi8(v);
-#else
-  return _mm256_abs_epi8(v);
-#endif
+// The sum of a group's G signed weight bytes q (G: 16 or 32).
+template <int G>
+inline int32_t group_sum(const uint8_t* q) {
+  const __m128i bias = _mm_set1_epi8(static_cast<char>(0x80));
+  __m128i s = _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), bias), _mm_setzero_si128());
+  if constexpr (G == 32)
+    s = _mm_add_epi64(s, _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)), bias),
+                                      _mm_setzero_si128()));
+  return static_cast<int32_t>(_mm_cvtsi128_si64(s) + _mm_extract_epi64(s, 1)) - 128 * G;
 }
 
-// acc plus the dots of a panel's weight bytes w (a: their magnitudes, for the sign trick) with a
-// quad of x in every lane: int16 pairs for int4 without VNNI (group_dot widens them), else int32.
+// acc plus the dots of a panel's weight bytes w with a quad of x in every lane: int16 pairs for
+// int4 without VNNI (group_dot widens them), else int32.
 template <typename I>
-inline IVec quad_dot(IVec acc, IVec w, IVec a, IVec xb) {
+inline IVec quad_dot(IVec acc, IVec w, IVec xb) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(acc, w, xb);     // int8 weights stored as w + 128
 #elif defined(CPU_CAPABILITY_AVX512)
   if constexpr (I::kInt4) return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, xb));
-  const IVec sx = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xb);
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, sx), _mm512_set1_epi16(1)));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(xb, w), _mm512_set1_epi16(1)));   // x + 64
 #else
   if constexpr (I::kInt4) return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, xb));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(xb, w)), _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w), _mm256_set1_epi16(1)));   // x + 64
 #endif
 }
 
@@ -109,20 +116,20 @@ struct Int8Panel {
   using Out = O;
   using P = uint8_t;
   static constexpr int G = I::kGroup;
-  static constexpr bool kSignTrick = !I::kInt4 && !kVnni;   // int8 weights without VNNI
+  static constexpr bool kCorr = x_unsigned<I>();   // a group's dots start from -64 times its sums
   static constexpr int kPanel = 2 * kIntLanes;
-  // rows of x a pass: two integer accumulators each, besides the two weight vectors (and their
-  // magnitudes for the sign trick), in AVX2's 16 or AVX-512's 32 registers
-  static constexpr int kRows = kIntLanes == 16 ? (kSignTrick ? 6 : 12) : (kSignTrick ? 3 : 6);
-  // bytes of a quad of inputs of the panel's rows: their weight bytes, then for the sign trick
-  // their magnitudes (stored, not taken in the loop, where vpabsb competes with the multiplies)
-  static constexpr int64_t kQuadBytes = 4 * kPanel * (kSignTrick ? 2 : 1);
+  // rows of x a pass: two integer accumulators each, besides the two weight vectors, x's quad and
+  // a product, in AVX2's 16 or AVX-512's 32 registers
+  static constexpr int kRows = kIntLanes == 16 ? 12 : 6;
+  static constexpr int64_t kQuadBytes = 4 * kPanel;   // a quad of inputs of the panel's rows
   int64_t k, groups;
   bool mins;
   std::vector<float> sbuf;
 
   explicit Int8Panel(const Tiles& w) : k(w.k), groups(w.groups), mins(panel_mins<I>(w)), sbuf(2 * w.scale_count()) {}
-  static int64_t group_size(bool has_mins) { return 4 * kPanel * (has_mins ? 2 : 1) + G / 4 * kQuadBytes; }
+  // a group's bytes before its integers: scales, mins, the dots' starting values (4 bytes a row)
+  static int64_t head_size(bool has_mins) { return 4 * kPanel * ((has_mins ? 2 : 1) + (kCorr ? 1 : 0)); }
+  static int64_t group_size(bool has_mins) { return head_size(has_mins) + G / 4 * kQuadBytes; }
   static int64_t panel_size(const Tiles& w) { return w.groups * group_size(panel_mins<I>(w)); }
 
   template <typename>
@@ -141,8 +148,12 @@ struct Int8Panel {
             sc[kPanel + tt * kTileRows + i] = (real && w.has_mins ? s.mins[g * kTileRows + i] : 0.f) -
                                               (panel_biased<I>() ? 128.f * scale : 0.f);
         }
-        uint8_t* ints = panel + g * gs + 4 * kPanel * (mins ? 2 : 1) + tt * kTileRows * 4;
         const uint8_t* q = real ? w.ints(tile) + g * kTileRows * I::kBytes : nullptr;
+        if constexpr (kCorr) {
+          int32_t* start = reinterpret_cast<int32_t*>(sc + kPanel * (mins ? 2 : 1));
+          for (int i = 0; i < kTileRows; ++i) start[tt * kTileRows + i] = q ? -64 * group_sum<G>(q + i * I::kBytes) : 0;
+        }
+        uint8_t* ints = panel + g * gs + head_size(mins) + tt * kTileRows * 4;
         if constexpr (G == 32)
           pack_group(q, ints);
         else
@@ -152,13 +163,6 @@ struct Int8Panel {
                 ints[qd * kQuadBytes + i * 4 + b] = real ? panel_byte(q[i * I::kBytes + 4 * qd + b]) : panel_byte(0);
       }
     }
-    if constexpr (kSignTrick)
-      for (int64_t g = 0; g < w.groups; ++g)
-        for (int qd = 0; qd < G / 4; ++qd) {
-          uint8_t* quad = panel + g * gs + 4 * kPanel * (mins ? 2 : 1) + qd * kQuadBytes;
-          for (int v = 0; v < 2; ++v)
-            istore(quad + 4 * kPanel + v * sizeof(IVec), iabs8(iload(quad + v * sizeof(IVec))));
-        }
   }
 
   // A weight byte as the panel holds it.
@@ -198,21 +202,23 @@ struct Int8Panel {
     for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = Vec(0.f);
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* pg = panel + g * gs;
-      const uint8_t* ints = pg + 4 * kPanel * (mins ? 2 : 1);
+      const uint8_t* ints = pg + head_size(mins);
+      const uint8_t* start = pg + 4 * kPanel * (mins ? 2 : 1);
       IVec dot0[MR], dot1[MR];
       UNROLL
-      for (int r = 0; r < MR; ++r) dot0[r] = dot1[r] = IVec{};
+      for (int r = 0; r < MR; ++r) {
+        dot0[r] = kCorr ? iload(start) : IVec{};
+        dot1[r] = kCorr ? iload(start + sizeof(IVec)) : IVec{};
+      }
       UNROLL
       for (int qd = 0; qd < G / 4; ++qd) {
         const uint8_t* quad = ints + qd * kQuadBytes;
         const IVec w0 = iload(quad), w1 = iload(quad + sizeof(IVec));
-        const IVec a0 = kSignTrick ? iload(quad + 4 * kPanel) : w0;
-        const IVec a1 = kSignTrick ? iload(quad + 4 * kPanel + sizeof(IVec)) : w1;
         UNROLL
         for (int r = 0; r < MR; ++r) {
           const IVec xb = bcast_quad(x + r * ld + g * G + 4 * qd);
-          dot0[r] = quad_dot<I>(dot0[r], w0, a0, xb);
-          dot1[r] = quad_dot<I>(dot1[r], w1, a1, xb);
+          dot0[r] = quad_dot<I>(dot0[r], w0, xb);
+          dot1[r] = quad_dot<I>(dot1[r], w1, xb);
           in_order(dot0[r]);
           in_order(dot1[r]);
         }

@@ -11,7 +11,7 @@ namespace kaiten::quant {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #define KAITEN_INT8_ACTIVATIONS 1
 // int8 activations (llama.cpp's way): each row of x quantized once per call to int8 per block of 32
-// (scale amax / 127, nearest even), its integers multiplied with the stored ones as unsigned x
+// (scale amax / levels, nearest even), its integers multiplied with the stored ones as unsigned x
 // signed bytes, summed by 4 into int32 lanes: by vpdpbusd with AVX512-VNNI (64 products an
 // instruction), else by vpmaddubsw and vpmaddwd (pairs into int16, then into int32). The 4 weight
 // rows of a tile's group load as whole vectors (16 bytes a row: int4, int8 groups of 16; else 32),
@@ -21,8 +21,11 @@ namespace kaiten::quant {
 // x, whose error is the weight's (centred) times x's rounding. (Mins times x's exact sums leave the
 // integers' (0 to 15) times the rounding: SmolLM2's Q4_1 perplexity with every row so was 18.53
 // against 18.30 exact.) int8 weights are signed: with VNNI they meet x as w + 128 (unsigned), less
-// 128 times x's bytes, the dot's starting value; without, as |w| against x times w's sign, so that
-// a pair's sum fits int16 (128 * 127 * 2).
+// 128 times x's bytes, the dot's starting value. Without VNNI x meets them rounded to 7 bits
+// (levels 63, as PyTorch's fbgemm reduce_range does for the same instruction), so that the panel
+// can hold x as x + 64, unsigned, against w's signed bytes as they are (a pair's sum, 2 * 127 * 128,
+// fits int16): 2 instructions on the multiply pipes per 32 products, where x times w's sign against
+// |w| took 3 (bench/kernels/int8_pipes.py); int8_block keeps that sign trick on the same 7-bit x.
 struct Int8Rows {
   int64_t k, groups;
   std::vector<int8_t> q;      // [m][k]
@@ -60,6 +63,9 @@ constexpr bool kVnni = true;
 #else
 constexpr bool kVnni = false;
 #endif
+// x's integer levels against weights I: 7 bits for int8 weights without VNNI, else 8.
+template <typename I>
+constexpr int x_levels() { return !I::kInt4 && !kVnni ? 63 : 127; }
 
 // Each int32 lane's dot of unsigned bytes u0 with signed s0 and u1 with s1 (4 each), where every
 // product of u and s is at most 15 * 127 (int4 weights against x).
@@ -120,13 +126,14 @@ inline __m128 load4(const uint8_t* p, int bytes, int64_t g) {
   return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + g * kTileRows * 2)));
 }
 
-// `blocks` blocks of 32 floats of x rounded to int8 into q (per block: scale amax / 127, nearest
-// even), their scales into d.
-inline void round_blocks(const float* x, int64_t blocks, int8_t* q, float* d) {
+// `blocks` blocks of 32 floats of x rounded to int8 into q (per block: scale amax / levels,
+// nearest even), their scales into d.
+inline void round_blocks(const float* x, int64_t blocks, int levels, int8_t* q, float* d) {
+  const float lv = static_cast<float>(levels);
   for (int64_t b = 0; b < blocks; ++b) {
     const float amax = block_amax(x + b * 32);
-    d[b] = amax / 127.f;
-    round_block(x + b * 32, amax > 0.f ? 127.f / amax : 0.f, q + b * 32);
+    d[b] = amax / lv;
+    round_block(x + b * 32, amax > 0.f ? lv / amax : 0.f, q + b * 32);
   }
 }
 
@@ -147,7 +154,7 @@ Int8Rows quantize_rows(const Tiles& w, const float* x, int64_t m) {
   constexpr bool kCorr = !I::kInt4 && kVnni;
   Int8Rows r{w.k, w.groups, std::vector<int8_t>(m * w.k), std::vector<float>(m * w.k / 32),
              std::vector<float>(w.has_mins ? m * w.groups : 0), std::vector<int32_t>(kCorr ? m * w.groups * kIntLanes : 0)};
-  round_blocks(x, m * w.k / 32, r.q.data(), r.d.data());
+  round_blocks(x, m * w.k / 32, x_levels<I>(), r.q.data(), r.d.data());
   scaled_group_sums<G>(r.q.data(), r.d.data(), static_cast<int64_t>(r.sums.size()), r.sums.data());
 #if defined(__AVX512VNNI__)
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
