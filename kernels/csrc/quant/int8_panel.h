@@ -13,8 +13,8 @@ namespace kaiten::quant {
 #if defined(KAITEN_INT8_ACTIVATIONS)
 // The int8 panel GEMM: int8 activations for more rows than int8_block serves well. x's rows are
 // rounded as quantize_rows rounds them, each into a record of x_record_bytes(): its k integers
-// (plus 64 where the panel meets them unsigned, x_unsigned), then per block of 32 its scale (fp32) and per weight group the rounded x's sum (fp32, where
-// the panel has mins: their factor). Zero records are zero rows, so panel_gemm's padded tail needs
+// (plus 64 where the panel meets them unsigned, x_unsigned), then per block of 32 its scale
+// (fp32) and per weight group the rounded x's sum (fp32, where the panel has mins: their factor). Zero records are zero rows, so panel_gemm's padded tail needs
 // nothing more (their products are not stored). A panel is
 // 2 x kIntLanes weight rows, per group their scales and mins (fp32), then the group's integers
 // by quads of inputs, [G / 4][kPanel][4] bytes, so one vector holds 4 inputs of kIntLanes weight
@@ -36,7 +36,7 @@ template <typename I>
 bool panel_mins(const Tiles& w) { return w.has_mins || panel_biased<I>(); }
 // Whether the int8 panel meets x as unsigned x + 64: int8 weights without VNNI (7-bit x).
 template <typename I>
-constexpr bool x_unsigned() { return !I::kInt4 && !kVnni; }
+constexpr bool x_unsigned() { return x_levels<I>() == 63; }
 
 template <typename I>
 std::vector<int8_t> x_records(const Tiles& w, const float* x, int64_t m) {
@@ -127,8 +127,9 @@ struct Int8Panel {
   std::vector<float> sbuf;
 
   explicit Int8Panel(const Tiles& w) : k(w.k), groups(w.groups), mins(panel_mins<I>(w)), sbuf(2 * w.scale_count()) {}
-  // a group's bytes before its integers: scales, mins, the dots' starting values (4 bytes a row)
-  static int64_t head_size(bool has_mins) { return 4 * kPanel * ((has_mins ? 2 : 1) + (kCorr ? 1 : 0)); }
+  // a group's bytes before its integers: scales, mins, then the dots' starting values (4 bytes a row)
+  static int64_t start_offset(bool has_mins) { return 4 * kPanel * (has_mins ? 2 : 1); }
+  static int64_t head_size(bool has_mins) { return start_offset(has_mins) + (kCorr ? 4 * kPanel : 0); }
   static int64_t group_size(bool has_mins) { return head_size(has_mins) + G / 4 * kQuadBytes; }
   static int64_t panel_size(const Tiles& w) { return w.groups * group_size(panel_mins<I>(w)); }
 
@@ -150,7 +151,7 @@ struct Int8Panel {
         }
         const uint8_t* q = real ? w.ints(tile) + g * kTileRows * I::kBytes : nullptr;
         if constexpr (kCorr) {
-          int32_t* start = reinterpret_cast<int32_t*>(sc + kPanel * (mins ? 2 : 1));
+          int32_t* start = reinterpret_cast<int32_t*>(panel + g * gs + start_offset(mins));
           for (int i = 0; i < kTileRows; ++i) start[tt * kTileRows + i] = q ? -64 * group_sum<G>(q + i * I::kBytes) : 0;
         }
         uint8_t* ints = panel + g * gs + head_size(mins) + tt * kTileRows * 4;
@@ -203,7 +204,7 @@ struct Int8Panel {
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* pg = panel + g * gs;
       const uint8_t* ints = pg + head_size(mins);
-      const uint8_t* start = pg + 4 * kPanel * (mins ? 2 : 1);
+      const uint8_t* start = pg + start_offset(mins);
       IVec dot0[MR], dot1[MR];
       UNROLL
       for (int r = 0; r < MR; ++r) {
