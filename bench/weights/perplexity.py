@@ -1,4 +1,4 @@
-"""Perplexity of the default model's Q4_1 GGUF on a fixed text, scored as llama.cpp's
+"""Perplexity of a GGUF (by default the model's shipped Q4_1) on a fixed text, scored as llama.cpp's
 llama-perplexity scores it, for Kaiten served quantized (--quantization auto), the same GGUF's
 values dequantized exactly to fp32, the quantized engine in fp32 with the projections' activations
 rounded to int8 in every row (what fp32 x takes by default where the build has int8 activations;
@@ -13,10 +13,11 @@ i predicts token i + 1 for i from ctx/2 to ctx - 2). Kaiten runs each chunk as o
 reads its prompt logprobs. The tokens are the same: llama-tokenize's ids of the text are checked
 to equal Kaiten's before anything is scored.
 
-    .venv/bin/python bench/weights/perplexity.py [--ctx 512] [--chunks 14] [--llama-bin DIR] [--threads 2]
+    .venv/bin/python bench/weights/perplexity.py [--gguf FILE] [--ctx 512] [--chunks 14] [--llama-bin DIR]
+        [--threads 2] [--out bench/results/perplexity/NAME]
 
 The text: /usr/share/common-licenses/GPL-3 (Debian's copy of the GPL, 35 kB of English).
-Writes bench/results/perplexity/perplexity.md and .json.
+Writes --out's .md and .json (default bench/results/perplexity/perplexity).
 """
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
-from bench.common.results_files import results_dir  # noqa: E402
+from bench.common.results_files import results_dir, write_results  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
 from engine_worker.model import quant_layers  # noqa: E402
 from engine_worker.model.llama import PackedLinear  # noqa: E402
 from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear  # noqa: E402
-from kernels.cpu_attention import int8_activations_built  # noqa: E402
+from kernels.cpu_attention import cpu_capability, int8_activations_built, int8_x_levels  # noqa: E402
 
 RESULTS = results_dir(__file__)
 TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -124,11 +125,13 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=14)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN)
+    ap.add_argument("--out", type=Path, default=RESULTS / "perplexity")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gguf = args.gguf or default_gguf()
     meta = {"cpu": cpu_name(), "flags": cpu_flags(), "threads": args.threads, "torch": torch.__version__,
-            "load_before": load_avg(), "gguf": gguf.name, "text": str(TEXT), "ctx": args.ctx}
+            "load_before": load_avg(), "gguf": gguf.name, "text": str(TEXT), "ctx": args.ctx,
+            "isa": cpu_capability()[0], "int8_x_levels": int8_x_levels(8)}
     with tempfile.TemporaryDirectory() as models:
         os.environ["KAITEN_MODELS_DIR"] = models
         engines = {"Kaiten quantized (auto)": LLM(str(gguf), quantization="auto", kv_cache_memory="256MiB")}
@@ -163,20 +166,23 @@ def main() -> int:
         diffs = [abs(a - b) for a, b in zip(v, ref)]
         rows[name] |= {"max_abs_logprob_diff_vs_exact": max(diffs), "mean_abs_logprob_diff_vs_exact": sum(diffs) / len(diffs)}
     if (args.llama_bin / "llama-perplexity").exists():
-        rows["llama.cpp llama-perplexity (Q4_1 as stored)"] = llama_perplexity(
+        rows[f"llama.cpp llama-perplexity ({file_kind(gguf)} as stored)"] = llama_perplexity(
             args.llama_bin, gguf, TEXT, args.ctx, len(chunks), args.threads)
     meta["load_after"] = load_avg()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "perplexity.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (RESULTS / "perplexity.md").write_text(render(meta, rows))
-    print(render(meta, rows))
+    write_results(args.out, {"meta": meta, "rows": rows}, render(meta, rows))
     return 0
 
 
+def file_kind(gguf: str | Path) -> str:
+    """The quantization in a GGUF's name (SmolLM2-135M-Instruct.Q8_0.gguf: Q8_0)."""
+    return Path(gguf).stem.rsplit(".", 1)[-1]
+
+
 def render(meta: dict, rows: dict) -> str:
-    lines = ["# Perplexity: quantized vs dequantized vs llama.cpp (SmolLM2-135M-Instruct Q4_1 GGUF)\n",
+    lines = [f"# Perplexity: quantized vs dequantized vs llama.cpp ({meta['gguf']})\n",
              f"CPU: {meta['cpu']} ({', '.join(meta['flags'])}), {meta['threads']} threads, torch {meta['torch']}, "
-             f"load average {meta['load_before']} before, {meta['load_after']} after.\n",
+             f"load average {meta['load_before']} before, {meta['load_after']} after. Extension ISA "
+             f"{meta.get('isa', '?')}; int8 activations take levels +-{meta.get('int8_x_levels', 127)}.\n",
              f"Text: {meta['text']}, {meta['tokens']} tokens (the same ids from llama-tokenize: "
              f"{meta.get('same_tokens_as_llama_cpp', 'not checked')}); {meta['chunks']} chunks of {meta['ctx']} "
              f"tokens, no BOS, the second half of each chunk scored ({meta['ctx'] // 2 - 1} tokens a chunk), as "
