@@ -100,13 +100,14 @@ def llama_tokens(bin_dir: Path, gguf: Path, text: Path) -> list[int]:
 
 
 def llama_perplexity(bin_dir: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int) -> dict:
-    """llama-perplexity's estimate. Where its AMX weight repacking dies on an illegal instruction (a
-    2-core Xeon VM with AMX), again with --no-repack, and the result says so."""
+    """llama-perplexity's estimate. Where its AMX weight repacking dies (an illegal instruction, or
+    a segmentation fault in prefill, on 2-core Xeon VMs with AMX), again with --no-repack, and the
+    result says so."""
     t0 = time.perf_counter()
     cmd = [str(bin_dir / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(ctx),
            "-b", str(ctx), "--chunks", str(chunks), "-t", str(threads)]
     out = subprocess.run(cmd, capture_output=True, text=True)
-    no_repack = out.returncode == -signal.SIGILL
+    no_repack = out.returncode in (-signal.SIGILL, -signal.SIGSEGV)
     if no_repack:
         out = subprocess.run(cmd + ["--no-repack"], capture_output=True, text=True)
     out.check_returncode()
