@@ -183,7 +183,7 @@ def render(meta: dict, rows: dict) -> str:
     lines = [f"# Perplexity: quantized vs dequantized vs llama.cpp ({meta['gguf']})\n",
              f"CPU: {meta['cpu']} ({', '.join(meta['flags'])}), {meta['threads']} threads, torch {meta['torch']}, "
              f"load average {meta['load_before']} before, {meta['load_after']} after. Extension ISA "
-             f"{meta.get('isa', '?')}; int8 activations take levels +-{meta.get('int8_x_levels', 127)}.\n",
+             f"{meta['isa']}; int8 activations take levels +-{meta['int8_x_levels']}.\n",
              f"Text: {meta['text']}, {meta['tokens']} tokens (the same ids from llama-tokenize: "
              f"{meta.get('same_tokens_as_llama_cpp', 'not checked')}); {meta['chunks']} chunks of {meta['ctx']} "
              f"tokens, no BOS, the second half of each chunk scored ({meta['ctx'] // 2 - 1} tokens a chunk), as "
