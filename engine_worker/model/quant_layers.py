@@ -53,8 +53,12 @@ MIN_DENSE_ROWS = {torch.bfloat16: 12 if torch.cpu._is_amx_tile_supported() else 
 # up to 16 rows, Q4_1 and Q8_0: 1 row 0.87x and 1.05x, 4 rows 0.94x and 0.99x, 8 rows 0.93-1.05x
 # and 1.10-1.11x, 16 rows 1.00-1.10x and 1.21x; up to 4 rows 0.90x and 1.02x at one row; every row
 # (the int8 panel past 16) no faster: a 32-row step 1.04x, a prompt token 1.10x. So bf16 x takes
-# them up to 4 rows without AMX (the Zen 4's bf16 dot products win past that), 16 with it (the Xeon).
-INT8_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16 if torch.cpu._is_amx_tile_supported() else 4,
+# them up to 4 rows without AMX (the Zen 4's bf16 dot products win past that), and with AMX up to
+# the rows where its tile kernel starts (MIN_DENSE_ROWS: at 16 rows the tiles took 18.2 / 21.2 ms
+# above, int8 19.1 / 32.0). The op takes int8 first where both thresholds hold, so INT8_ROWS is
+# the rows that take it.
+INT8_ROWS = {torch.float32: 1 << 30,
+             torch.bfloat16: MIN_DENSE_ROWS[torch.bfloat16] - 1 if torch.cpu._is_amx_tile_supported() else 4,
              torch.float16: 16}
 
 

@@ -9,7 +9,7 @@
 // weights, 34 per 32 int8).
 //
 // Six methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
-// from the caller, measured by bench/kernels/quant_linear.py):
+// from the caller, measured by bench/kernels/quant_linear.py; int8_rows first where both hold):
 // * m <= int8_rows, in an AVX-512 or AVX2 build: *int8 activations*, as llama.cpp computes: x
 //   rounded to int8 per block of 32 (7 bits against int8 weights without VNNI, int8_x.h), integer
 //   dot products with the stored integers (vpdpbusd with AVX512-VNNI, 64 byte products an
@@ -121,7 +121,7 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
 #else
   constexpr bool int8 = false;
 #endif
-  if (m >= min_dense_rows) {
+  if (!int8 && m >= min_dense_rows) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     // with AMX, its tile kernel up to kAmxMaxRows, then the AMX panel GEMM
     const bool amx = x.scalar_type() == at::kBFloat16 && w.k % 32 == 0 && amx_ready();

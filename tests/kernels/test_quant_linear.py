@@ -152,6 +152,22 @@ def test_int8_activations(fmt, n, k, m, dtype):
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_come_before_the_dense_method(fmt, dtype):
+    """Rows within both thresholds (m <= int8_rows and m >= min_dense_rows) take int8 activations,
+    a row at a time (up to 16) or on the int8 panel: so INT8_ROWS is the rows that take them, as
+    it says (AMX hosts had 12 to 16 bf16 rows on the dense method against INT8_ROWS 16). Builds
+    without int8 activations take the dense method."""
+    lin = layer(fmt, 37, 96)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for m in (1, 3, 12, 16, 20):
+        x = fresh_x(m, 96, m).to(dtype)
+        out = torch.ops.kaiten_cpu.quant_linear(x, lin.tiles, *lin.op_args, 0, m).double()
+        expected = int8_reference(x, lin) if int8_activations_built() else reference(x, lin).double()
+        torch.testing.assert_close(out, expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_picks_a_method_by_rows(fmt, dtype):
     """QuantLinear multiplies int8-rounded activations up to INT8_ROWS[x's dtype] rows (where the
     build can; every row for fp32 x), past that the exact activations in registers below
