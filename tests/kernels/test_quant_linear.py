@@ -115,11 +115,13 @@ def test_half_precision_activations(fmt, n, k, m, dtype):
 
 def int8_rounded(x: torch.Tensor, levels: int) -> torch.Tensor:
     """x as the int8 method sees it, in fp64: per row and block of 32, q = x * (levels / amax)
-    rounded to nearest even (fp32 arithmetic, as the kernel), times amax / levels."""
+    rounded to nearest even (fp32 arithmetic, as the kernel: levels / amax one division, where torch
+    would take a number over a tensor as the reciprocal times the number), times amax / levels."""
     m, k = x.shape
     xb = x.float().view(m, k // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    q = torch.round(xb * torch.where(amax > 0, levels / amax, torch.zeros_like(amax))).clamp(-levels, levels)
+    inv = torch.where(amax > 0, torch.full_like(amax, levels) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv).clamp(-levels, levels)
     return (q.double() * (amax / levels).double()).view(m, k)
 
 
