@@ -99,13 +99,15 @@ def build_flags(isa_flags: list[str]) -> dict[str, list[str]]:
 def int8_activations_built() -> bool:
     """Whether the extension's build multiplies int8-rounded activations (quant_linear's int8
     method: AVX-512 and AVX2 builds; the portable one takes the exact method for those rows)."""
-    return cpu_capability()[0] != "default"
+    return int8_x_levels(8) > 0
 
 
 def int8_x_levels(bits: int) -> int:
-    """The integer levels of x's int8 rounding against `bits`-bit weights (quant_linear's
-    x_levels): 7 bits (63) against int8 weights where the build has no AVX512-VNNI, else 127."""
-    return 63 if bits == 8 and "-mavx512vnni" not in cpu_capability()[1] else 127
+    """The integer levels of x's int8 rounding against `bits`-bit weights, as the loaded build
+    says (quant_linear's x_levels): 7 bits (63) against int8 weights where it has no
+    AVX512-VNNI, else 127; 0 where it has no int8 method. Loads the extension."""
+    load_extension()
+    return torch.ops.kaiten_cpu.int8_x_levels(bits)
 
 
 def _build_dir(name: str) -> Path:

@@ -185,10 +185,23 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n,
   return out.view(shape);
 }
 
+// The integer levels to which the int8 method rounds x against `bits`-bit weights in this build
+// (x_levels: 63 or 127), 0 where the build has no int8 method: what the tests' references and the
+// benchmarks read, so that no second copy of the condition exists.
+int64_t int8_x_levels(int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "int8_x_levels: bits must be 4 or 8, not ", bits);
+#if defined(KAITEN_INT8_ACTIVATIONS)
+  return bits == 4 ? x_levels<Ints<true, 32>>() : x_levels<Ints<false, 32>>();
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kaiten_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor tiles, int n, int k, int bits, int group, bool has_mins, int min_dense_rows, int int8_rows=0) -> Tensor");
+  m.def("int8_x_levels(int bits) -> int", &int8_x_levels);
 }
 
 TORCH_LIBRARY_IMPL(kaiten_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }
