@@ -10,8 +10,9 @@ machine that has served any model before. Runs alternate between the variants, r
 and the median is reported.
 
     .venv/bin/python bench/weights/gguf_startup.py [--gguf FILE] [--rounds 3] --baseline DIR
+        [--out bench/results/gguf_startup/NAME]
 
-Writes bench/results/gguf_startup/gguf_startup.md and .json.
+Writes --out's .md and .json (default bench/results/gguf_startup/gguf_startup).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
-from bench.common.results_files import results_dir  # noqa: E402
+from bench.common.results_files import results_dir, write_results  # noqa: E402
 
 RESULTS = results_dir(__file__)
 # Run inside the checkout under test: convert, load, report. weight_bytes as bench/weights/quant_decode.py counts.
@@ -71,6 +72,7 @@ def main() -> int:
     ap.add_argument("--gguf", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", type=Path, required=True, help="a checkout of the code to compare with")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gguf_startup")
     args = ap.parse_args()
     from bench.weights.perplexity import default_gguf
     gguf = args.gguf or default_gguf()
@@ -89,10 +91,7 @@ def main() -> int:
     meta["load_after"] = load_avg()
     rows = {name: {k: statistics.median(r[k] for r in rs) if k != "dtype" else rs[0][k] for k in rs[0]}
             for name, rs in runs.items()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gguf_startup.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1) + "\n")
-    (RESULTS / "gguf_startup.md").write_text(render(meta, rows))
-    print(render(meta, rows))
+    write_results(args.out, {"meta": meta, "rows": rows, "runs": runs}, render(meta, rows))
     return 0
 
 
