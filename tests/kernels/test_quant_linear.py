@@ -156,9 +156,9 @@ def test_int8_activations(fmt, n, k, m, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_rows_come_before_the_dense_method(fmt, dtype):
     """Rows within both thresholds (m <= int8_rows and m >= min_dense_rows) take int8 activations,
-    a row at a time (up to 16) or on the int8 panel: so INT8_ROWS is the rows that take them, as
-    it says (AMX hosts had 12 to 16 bf16 rows on the dense method against INT8_ROWS 16). Builds
-    without int8 activations take the dense method."""
+    a row at a time (up to 8 rows, 16 on AVX-512) or on the int8 panel: so INT8_ROWS is the rows
+    that take them, as it says (AMX hosts had 12 to 16 bf16 rows on the dense method against
+    INT8_ROWS 16). Builds without int8 activations take the dense method."""
     lin = layer(fmt, 37, 96)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
     for m in (1, 3, 12, 16, 20):
