@@ -87,6 +87,22 @@ def int8_rows(rows: int | None):
         quant_layers.INT8_ROWS = saved
 
 
+def text_chunks(tokenizer, ctx: int, count: int) -> tuple[list[int], list[list[int]]]:
+    """TEXT's token ids (no special tokens) and up to `count` whole chunks of `ctx` of them."""
+    ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    return ids, [ids[i * ctx:(i + 1) * ctx] for i in range(min(count, len(ids) // ctx))]
+
+
+def perplexity(logprobs: list[float]) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def diffs_from(logprobs: list[float], ref: list[float]) -> dict[str, float]:
+    """The largest and the mean absolute logprob difference from `ref`'s, token by token."""
+    diffs = [abs(a - b) for a, b in zip(logprobs, ref)]
+    return {"max_abs_logprob_diff_vs_exact": max(diffs), "mean_abs_logprob_diff_vs_exact": sum(diffs) / len(diffs)}
+
+
 def scored_logprobs(llm: LLM, chunks: list[list[int]]) -> list[float]:
     outs = llm.generate(chunks, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     first = len(chunks[0]) // 2
@@ -137,8 +153,7 @@ def main() -> int:
         os.environ["KAITEN_MODELS_DIR"] = models
         engines = {"Kaiten quantized (auto)": LLM(str(gguf), quantization="auto", kv_cache_memory="256MiB")}
         tokenizer = engines["Kaiten quantized (auto)"].tokenizer
-        ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
-        chunks = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(min(args.chunks, len(ids) // args.ctx))]
+        ids, chunks = text_chunks(tokenizer, args.ctx, args.chunks)
         if (args.llama_bin / "llama-tokenize").exists():
             used = len(chunks) * args.ctx           # llama-perplexity drops the file's last newline
             theirs = llama_tokens(args.llama_bin, gguf, TEXT)
@@ -161,11 +176,10 @@ def main() -> int:
         for name, llm in engines.items():
             lps[name] = scored_logprobs(llm, chunks)
         dtypes = {name: str(llm.engine.runner.dtype).removeprefix("torch.") for name, llm in engines.items()}
-    rows = {name: {"ppl": math.exp(-sum(v) / len(v)), "scored": len(v), "dtype": dtypes[name]} for name, v in lps.items()}
+    rows = {name: {"ppl": perplexity(v), "scored": len(v), "dtype": dtypes[name]} for name, v in lps.items()}
     ref = lps["Kaiten, GGUF values dequantized exactly to fp32"]
     for name, v in lps.items():
-        diffs = [abs(a - b) for a, b in zip(v, ref)]
-        rows[name] |= {"max_abs_logprob_diff_vs_exact": max(diffs), "mean_abs_logprob_diff_vs_exact": sum(diffs) / len(diffs)}
+        rows[name] |= diffs_from(v, ref)
     if (args.llama_bin / "llama-perplexity").exists():
         rows[f"llama.cpp llama-perplexity ({file_kind(gguf)} as stored)"] = llama_perplexity(
             args.llama_bin, gguf, TEXT, args.ctx, len(chunks), args.threads)

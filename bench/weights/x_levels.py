@@ -21,7 +21,6 @@ gate_up, down and lm_head (the tied output layer, a Q8_0 matrix in the default m
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -35,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir, write_results  # noqa: E402
-from bench.weights.perplexity import TEXT, default_gguf, dequantize_exactly, scored_logprobs  # noqa: E402
+from bench.weights.perplexity import (TEXT, default_gguf, dequantize_exactly, diffs_from, perplexity,  # noqa: E402
+                                     scored_logprobs, text_chunks)
 from engine_worker import LLM  # noqa: E402
 
 RESULTS = results_dir(__file__)
@@ -119,8 +119,7 @@ def main() -> int:
         llm = LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True, kv_cache_memory="256MiB")
         dequantize_exactly(llm)
         families = wrap(llm.engine.runner.model)
-        ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
-        chunks = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(min(args.chunks, len(ids) // args.ctx))]
+        _, chunks = text_chunks(llm.tokenizer, args.ctx, args.chunks)
         lps = {}
         for config in args.configs.split(";"):
             levels = levels_of(config)
@@ -139,14 +138,13 @@ def main() -> int:
 
 
 def summary(runs: list[list[float]], ref: list[float] | None) -> dict:
-    """A configuration's runs: each run's perplexity, and the first run's logprob differences
-    from the exact run's, token by token."""
-    row = {"ppl_runs": [math.exp(-sum(v) / len(v)) for v in runs], "scored": len(runs[0])}
+    """A configuration's runs: each run's perplexity and their median, and the medians over the
+    runs of the largest and the mean logprob difference from the exact run's, token by token."""
+    row = {"ppl_runs": [perplexity(v) for v in runs], "scored": len(runs[0])}
     row["ppl"] = statistics.median(row["ppl_runs"])
     if ref:
-        diffs = [[abs(a - b) for a, b in zip(v, ref)] for v in runs]
-        row |= {"max_abs_logprob_diff_vs_exact": statistics.median(max(d) for d in diffs),
-                "mean_abs_logprob_diff_vs_exact": statistics.median(sum(d) / len(d) for d in diffs)}
+        diffs = [diffs_from(v, ref) for v in runs]
+        row |= {key: statistics.median(d[key] for d in diffs) for key in diffs[0]}
     return row
 
 
