@@ -102,7 +102,7 @@ def engine_rounds(args, model_dir: Path, adapters: dict[str, str]) -> dict:
 
 def kernel_times(model_dir: Path, runs: int) -> dict:
     """ms per layer (4 projections) for a decode batch of 32 tokens over 4 adapters."""
-    from engine_worker.model.llama import ModelConfig
+    from engine_worker.model.config import ModelConfig
     from kernels.cpu_attention import cpp_attention_available
     shapes = projection_shapes(ModelConfig.from_dir(model_dir))
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common.machine import cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 from bench.common.timing import median_ms  # noqa: E402
-from engine_worker.model.llama import PackedLinear  # noqa: E402
+from engine_worker.model.packed_linear import PackedLinear  # noqa: E402
 
 RESULTS = results_dir(__file__)
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]   # (out, in)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
-from engine_worker.model.llama import PackedLinear  # noqa: E402
+from engine_worker.model.packed_linear import PackedLinear  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
 from kernels.cpu_attention import cpu_capability, int8_activations_built, load_extension  # noqa: E402
 from shared.gguf_quant import PackedWeight, repack  # noqa: E402

@@ -43,7 +43,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir, write_results  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
 from engine_worker.model import quant_layers  # noqa: E402
-from engine_worker.model.llama import PackedLinear  # noqa: E402
+from engine_worker.model.packed_linear import PackedLinear  # noqa: E402
 from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear  # noqa: E402
 from kernels.cpu_attention import cpu_capability, int8_activations_built, int8_x_levels  # noqa: E402
 

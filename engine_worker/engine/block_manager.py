@@ -6,6 +6,11 @@ tokens). A freed block that holds a hash stays in the cache and is evicted least
 a fresh block is needed. ``cache_version`` changes whenever the set of cached hashes does.
 A sequence's chain starts at its LoRA adapter's root (``root_hash``), so adapters never share a
 block; ``drop_root`` forgets an adapter's blocks when it is removed.
+
+Where every layer of the model slides over a window of W keys (Mistral), a sequence holds only
+the blocks its window can still read: once its next token's window starts past a block, the
+block is released (it stays in the prefix cache if hashed) and its block-table entry becomes
+NO_BLOCK, which the attention kernels never read (kernels/interface.py).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from engine_worker.engine.sequence import Sequence
 from shared.block_hash import block_hash, root_hash
 
 NO_HASH = -1
+NO_BLOCK = -1          # a block-table entry whose block fell out of every layer's window
 
 
 @dataclass(slots=True)
@@ -28,9 +34,10 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int = 0):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window            # keys every layer reads behind a query (0: all of them)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))         # ref 0, no hash
         self.evictable: OrderedDict[int, None] = OrderedDict()       # ref 0, hashed; LRU first
@@ -59,6 +66,17 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def most_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once, computed `chunk` tokens a step
+        at most: all of them, or with a window, those of the window and a chunk."""
+        if not self.window:
+            return self.blocks_needed(num_tokens)
+        return min(self.blocks_needed(num_tokens), self.blocks_needed(self.window - 1 + chunk) + 1)
+
+    def _first_live_block(self, num_computed: int) -> int:
+        """The first block the window of the query at position `num_computed` reads."""
+        return max(0, num_computed - self.window + 1) // self.block_size if self.window else 0
+
     # ---- prefix cache ----------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of full blocks. It never covers the last token,
@@ -85,6 +103,15 @@ class BlockManager:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
 
+    def computed(self, seq: Sequence) -> None:
+        """After a step computed tokens of `seq`: cache its full blocks, then release those its
+        window has passed."""
+        self.cache_full_blocks(seq)
+        for i in range(self._first_live_block(seq.num_computed_tokens)):
+            if seq.block_table[i] != NO_BLOCK:
+                self._release(seq.block_table[i])
+                seq.block_table[i] = NO_BLOCK
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that became full (and computed) since the last call."""
         if not self.enable_prefix_caching:
@@ -98,6 +125,8 @@ class BlockManager:
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
+            if seq.block_table[i] == NO_BLOCK:     # came from the prefix cache, left behind by the window
+                continue
             block = self.blocks[seq.block_table[i]]
             if block.hash == NO_HASH and h not in self.hash_to_block:
                 block.hash, block.token_ids, block.root = h, tokens, root
@@ -117,12 +146,14 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give `seq` the blocks for `num_new_tokens` more tokens, first taking `cached_blocks`
         (a prefix-cache hit). Returns False, changing nothing, when the pool is too small."""
-        num_tokens = seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_blocks)
-        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_new_blocks = self.blocks_needed(computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
+        behind = max(0, self._first_live_block(computed) - len(seq.block_table))   # hits the window has passed
+        revived = sum(1 for b in cached_blocks[behind:] if self.blocks[b].ref_count == 0)
         if num_new_blocks > self.num_free_blocks - revived:
             return False
-        for block_id in cached_blocks:
+        seq.block_table.extend([NO_BLOCK] * min(behind, len(cached_blocks)))
+        for block_id in cached_blocks[behind:]:
             self._take(block_id)
             seq.block_table.append(block_id)
         for _ in range(max(num_new_blocks, 0)):
@@ -132,7 +163,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks. Hashed blocks stay cached, most recently used last."""
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            if block_id != NO_BLOCK:
+                self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
 
@@ -176,7 +208,8 @@ class BlockManager:
         refs = [0] * self.num_blocks
         for seq in live:
             for block_id in seq.block_table:
-                refs[block_id] += 1
+                if block_id != NO_BLOCK:
+                    refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count >= 0, f"negative ref count on block {block.block_id}"
             assert block.ref_count == refs[block.block_id], (

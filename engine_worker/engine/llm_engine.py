@@ -83,7 +83,7 @@ class LLMEngine:
         self.eos_token_ids = cfg.eos_token_ids
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.runner.kv_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.max_loras)
         self.loras = self._lora_registry(config)
@@ -200,9 +200,10 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the context length {self.max_model_len}")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if total > capacity:
-            raise ValueError(f"prompt + max_tokens = {total} tokens can never fit the KV cache ({capacity} tokens)")
+        bm = self.block_manager
+        if bm.most_blocks_held(total, self.config.max_num_batched_tokens) > bm.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {total} tokens can never fit the KV cache "
+                             f"({bm.num_blocks * bm.block_size} tokens)")
 
     def abort_request(self, request_id: str) -> bool:
         """Free the request's blocks now; its abort output comes with the next step."""
@@ -270,7 +271,7 @@ class LLMEngine:
             self._collect_prompt_logprobs(batch, spans, prompt_logits, targets)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n - len(seq.spec_token_ids)     # drafts count once accepted
-            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.computed(seq)
         if not rows:
             return []
         seqs = [batch.seqs[i] for i in rows]
@@ -290,7 +291,8 @@ class LLMEngine:
                 now: float) -> RequestOutput:
         """Add a step's verified tokens to `seq` up to the first that finishes it (`grammar`: its
         matcher's (n, state), see StructuredOutput.accept); release the blocks only rejected
-        drafts used, and cache the blocks the accepted drafts filled."""
+        drafts used, and cache the blocks the accepted drafts filled (releasing those their window
+        has passed)."""
         num_drafts, seq.spec_token_ids = len(tokens) - 1, []
         if not seq.first_token_time:
             seq.first_token_time = now
@@ -309,7 +311,7 @@ class LLMEngine:
         error = state if reason == "error" else None
         if num_drafts:
             seq.num_computed_tokens += min(num_drafts, kept)
-            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.computed(seq)
             self.block_manager.trim(seq)
         if reason:
             self.scheduler.finish(seq, reason)

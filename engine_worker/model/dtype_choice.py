@@ -65,7 +65,7 @@ def measure_rates(shapes) -> GemmRates:
     core's bf16 and fp32 instructions; a team of threads measured while another process holds a
     core waits at every barrier (2 threads once measured 10.7 GFLOP/s in both dtypes, where one
     thread reaches 160 in bf16 and 93 in fp32), and that result would be cached for good."""
-    from engine_worker.model.llama import PackedLinear      # llama imports nothing of this module
+    from engine_worker.model.packed_linear import PackedLinear
     passes = {}
     for dtype in (torch.bfloat16, torch.float32):
         packed = PackedLinear.supported(torch.device("cpu"), dtype)

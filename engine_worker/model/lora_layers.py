@@ -29,6 +29,14 @@ def projection_shapes(cfg) -> dict[str, tuple[int, list[int]]]:
     return {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [i, i]), "down": (i, [h])}
 
 
+def project(linear: nn.Module, x: torch.Tensor, owner: nn.Module, key: str, lora: "LoraBatch | None") -> torch.Tensor:
+    """linear(x), plus the LoRA term of `owner`'s stack `key` for a step with adapter tokens. A
+    base-model step never reads `owner.lora`: the compiled base graph keeps no guard on it, so
+    enabling LoRA later (the first adapter) does not recompile it."""
+    y = linear(x)
+    return y if lora is None else owner.lora[key](x, y, lora)
+
+
 # The torch ops pad the slots' runs to one length for batched matmuls while that at most doubles
 # the rows (decode batches); else matmuls per slot (prefill chunks). bench/engine/lora.py times both.
 MAX_PADDING = 2.0

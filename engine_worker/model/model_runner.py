@@ -12,7 +12,10 @@ from engine_worker.model.compiled_forward import CompiledForward
 from engine_worker.model.cuda_graphs import DecodeGraphRunner
 from engine_worker.model.dtype_choice import DEFAULT_SHAPES, cpu_auto_dtype
 from engine_worker.model.host_memory import onto_huge_pages, zeros_on_huge_pages
-from engine_worker.model.llama import LlamaForCausalLM, ModelConfig, PackedLinear, stored_in_bf16
+from engine_worker.model.checkpoint import stored_in_bf16
+from engine_worker.model.config import ModelConfig
+from engine_worker.model.packed_linear import PackedLinear
+from engine_worker.model.registry import model_class
 from engine_worker.model.lora_layers import LoraBatch, projection_shapes
 from kernels.cpu_attention import cpp_attention_available
 from kernels.interface import AttentionMetadata, get_attention_backend
@@ -69,7 +72,12 @@ class ModelRunner:
         if self.block_size != config.block_size:
             log.warning("attention backend %s needs block_size %d (configured %d); using %d",
                         self.backend.name, self.block_size, config.block_size, self.block_size)
-        self.model = LlamaForCausalLM(self.model_config).to(device=self.device, dtype=self.dtype)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"{self.model_config.max_position_embeddings} positions")
+        cls = model_class(self.model_config.architecture)
+        self.model = cls(self.model_config, self.max_model_len).to(device=self.device, dtype=self.dtype)
         packed = self._quantized_weights(model_dir)
         if packed:
             self.model.use_quantized(packed, self.dtype)
@@ -83,10 +91,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             onto_huge_pages(self.model)
         self.max_loras, self.max_lora_rank = config.max_loras, config.max_lora_rank
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"{self.model_config.max_position_embeddings} positions")
+        # the keys every layer still reads behind a query: a sequence's KV blocks beyond it are released
+        window = self.model_config.window_of_every_layer
+        self.kv_window = window if window < self.max_model_len else 0
         self.kv_dtype = self._kv_cache_dtype(bool(packed))
         self.num_blocks = self._num_blocks(self._kv_budget())
         self.kv_caches = self._allocate_kv_cache()

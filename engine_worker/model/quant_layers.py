@@ -63,24 +63,28 @@ INT8_ROWS = {torch.float32: 1 << 30,
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T, W packed (int4 or int8 with group scales and mins) in quant_linear's tiles
-    (quant_tiles.py). No bias: GGUF Llama projections have none. CPU only; needs the C++ extension."""
+    """y = x W^T (+ b), W packed (int4 or int8 with group scales and mins) in quant_linear's tiles
+    (quant_tiles.py). CPU only; needs the C++ extension."""
 
-    def __init__(self, packed: PackedWeight):
+    def __init__(self, packed: PackedWeight, bias_dtype: torch.dtype | None = None):
         super().__init__()
         self.int8_rows = dict(INT8_ROWS)    # as at construction: a compiled graph's constants
         tiles, self.fmt = to_tiles(packed)
         self.register_buffer("tiles", torch.from_numpy(tiles))
         f = self.fmt
         self.op_args = (f.n, f.k, f.bits, f.group, f.has_mins)     # plain ints for the compiled graph
+        # a bias (Qwen2's q/k/v) stays dense; load_weights fills it
+        self.bias = None if bias_dtype is None else nn.Parameter(torch.zeros(f.n, dtype=bias_dtype),
+                                                                 requires_grad=False)
 
     @property
     def kind(self) -> str:
         return "int4" if self.fmt.bits == 4 else "int8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 96),
-                                                 self.int8_rows.get(x.dtype, 0))
+        y = torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, MIN_DENSE_ROWS.get(x.dtype, 96),
+                                              self.int8_rows.get(x.dtype, 0))
+        return y if self.bias is None else y + self.bias
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its `rows`) in fp32, computed as gguf's dequantizer does."""

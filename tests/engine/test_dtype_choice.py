@@ -10,7 +10,7 @@ import torch
 from engine_worker.model import dtype_choice
 from engine_worker.model.dtype_choice import GemmRates, cpu_auto_dtype, faster_dtype
 from engine_worker.model.model_runner import gemm_shapes, resolve_dtype
-from engine_worker.model.llama import ModelConfig
+from engine_worker.model.config import ModelConfig
 
 
 @pytest.mark.parametrize("bf16,fp32,want", [(120.0, 60.0, torch.bfloat16), (8.0, 60.0, torch.float32),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
-from engine_worker.model.llama import PackedLinear
+from engine_worker.model.packed_linear import PackedLinear
 from tests.support.engine_support import engine_config
 from tests.support.llm_support import (assert_all_blocks_released, greedy, hf_greedy, make_llm, make_prompts,
                                        run_staggered)

@@ -55,7 +55,7 @@ def test_chunked_prefill_and_staggered_batches(bf16_model):
 def test_fp32_files_and_bf16_compute_are_untouched(tiny_model_dir, bf16_model):
     """fp32-stored weights load as before (oneDNN-packed), and --dtype bfloat16 keeps bf16 params."""
     from engine_worker import LLM
-    from engine_worker.model.llama import PackedLinear
+    from engine_worker.model.packed_linear import PackedLinear
     model = make_llm(tiny_model_dir, "eager").engine.runner.model
     assert not any(isinstance(m, (Bf16Linear, Bf16Embedding)) for m in model.modules())
     assert isinstance(model.layers[0].mlp.down_proj, PackedLinear)
