@@ -458,15 +458,19 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_format)
     if args.healthcheck:
         return healthcheck(configs_from_args(args, resolve_model=False)[1])
-    from shared.model_source import ModelNotFoundError
+    from shared.model_source import MODEL_ERRORS
     try:
         ecfg, wcfg = configs_from_args(args)
         ecfg.speculative()                 # a bad --speculative-config fails here, saying why
         ecfg.lora_module_paths()           # and a bad --lora-modules entry
-    except (ModelNotFoundError, ValueError) as e:
+    except ValueError as e:
         print(f"kaiten engine: {e}", file=sys.stderr)
         return 2
-    worker = EngineWorker(ecfg, wcfg)
+    try:
+        worker = EngineWorker(ecfg, wcfg)
+    except MODEL_ERRORS as e:              # a model this engine cannot run (a rope type, ...)
+        print(f"kaiten engine: {e}", file=sys.stderr)
+        return 2
     worker.install_signal_handlers()
     return worker.run()
 

@@ -574,11 +574,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--gguf needs --out")
         print(convert_gguf(args.gguf, args.out))
         return 0
-    from shared.model_source import ModelNotFoundError, resolve_model
+    from shared.model_source import MODEL_ERRORS, resolve_model
     try:
         print(resolve_model(args.model if args.model is not None else os.environ.get("KAITEN_MODEL", ""),
                             args.models_dir))
-    except ModelNotFoundError as e:
+    except MODEL_ERRORS as e:
         print(f"kaiten convert: {e}", file=sys.stderr)
         return 2
     return 0

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from shared.generation_defaults import GenerationDefaults, load_generation_defaults
 from shared.log_format import setup_logging
-from shared.model_source import ModelNotFoundError, resolve_model
+from shared.model_source import MODEL_ERRORS, resolve_model
 from shared.models_file import ModelEntry, load_models_file
 from shared.redis_conn import redact_url
 from shared.up_flags import EPILOG, add_child_flags, child_args, child_env
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
 
     try:
         dirs = [str(resolve_model(e.model)) for e in entries]
-    except ModelNotFoundError as e:
+    except MODEL_ERRORS as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     if sup.stopping.is_set():

@@ -7,7 +7,9 @@
 
 The Hugging Face cache is $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub, as
 huggingface_hub has it. A cached repo that holds one GGUF file and no config.json is converted like
-a GGUF file. When nothing matches, the error names every place that was looked at.
+a GGUF file. When nothing matches, the error names every place that was looked at; a model of an
+architecture Kaiten does not serve is refused in one line that names those it does
+(shared/model_families.py). Commands catch MODEL_ERRORS and print the message, not a traceback.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import os
 import re
 from pathlib import Path
 
+from shared.model_families import UnsupportedModelError, check_model_dir
+
 log = logging.getLogger("kaiten.model")
 
 _REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -23,6 +27,9 @@ _REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 class ModelNotFoundError(ValueError):
     pass
+
+
+MODEL_ERRORS = (ModelNotFoundError, UnsupportedModelError)     # a user's mistake: one line, no traceback
 
 
 def hf_hub_cache() -> Path:
@@ -35,7 +42,14 @@ def hf_hub_cache() -> Path:
 
 
 def resolve_model(spec: str | os.PathLike | None, models_dir: str | os.PathLike | None = None) -> Path:
-    """The model directory `spec` names, converting a GGUF file (once) into `models_dir`."""
+    """The model directory `spec` names, converting a GGUF file (once) into `models_dir`; one of
+    MODEL_ERRORS where there is none, or Kaiten does not serve its architecture."""
+    path = _find_model(spec, models_dir)
+    check_model_dir(path)
+    return path
+
+
+def _find_model(spec: str | os.PathLike | None, models_dir: str | os.PathLike | None) -> Path:
     spec = str(spec or "").strip()
     if not spec:
         from shared.gguf_convert import ensure_default_model

@@ -198,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from shared.model_source import ModelNotFoundError
+    from shared.model_source import MODEL_ERRORS
     try:
         app = load_app(cfg.model)
-    except ModelNotFoundError as e:
+    except MODEL_ERRORS as e:
         print(f"kaiten tokenizer: {e}", file=sys.stderr)
         return 2
     log.info("tokenizer service on http://%s:%d", cfg.host, cfg.port)

@@ -104,10 +104,10 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("KAITEN_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from shared.model_source import ModelNotFoundError
+    from shared.model_source import MODEL_ERRORS
     try:
         llm = LLM(args.model, dtype=args.dtype)
-    except ModelNotFoundError as e:
+    except MODEL_ERRORS as e:
         print(f"kaiten generate: {e}", file=sys.stderr)
         return 2
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_worker.model.registry import UnsupportedModelError, check_architecture
+from shared.model_families import UnsupportedModelError, check_architecture
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 

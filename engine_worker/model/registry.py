@@ -1,5 +1,6 @@
 """The model registry: a checkpoint's `architectures` name -> the class that runs it, one file per
-family under engine_worker/model/models/, imported when first asked for (as vLLM's registry)."""
+family under engine_worker/model/models/, imported when first asked for (as vLLM's registry).
+Which families Kaiten serves is shared/model_families.py's table; this maps them to code."""
 from __future__ import annotations
 
 import importlib
@@ -14,24 +15,6 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
 }
-
-
-class UnsupportedModelError(ValueError):
-    """A model Kaiten cannot serve; its message is one line that says why."""
-
-
-def supported_architectures() -> list[str]:
-    return sorted(ARCHITECTURES)
-
-
-def check_architecture(architectures: list[str] | None, where: str) -> str:
-    """The first of a config's `architectures` that Kaiten runs, else a one-line error."""
-    for arch in architectures or []:
-        if arch in ARCHITECTURES:
-            return arch
-    named = ", ".join(architectures or []) or "none"
-    raise UnsupportedModelError(f"{where}: architecture {named} is not supported; "
-                                f"supported: {', '.join(supported_architectures())}")
 
 
 def model_class(architecture: str):

@@ -188,3 +188,30 @@ def test_gguf_conversion_needs_no_torch(tiny_gguf, tmp_path):
     out = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == [str(tmp_path / "models" / "tiny-llama.F32"), "[]"]
+
+
+def test_every_command_refuses_a_model_it_cannot_serve(tiny_model_dir, tmp_path):
+    """An architecture outside the registry, and a supported one with a rope type the engine does
+    not run: one line that says why (naming what is supported), exit code 2, no traceback."""
+    from shared.model_families import supported_architectures
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(tiny_model_dir, gpt2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    dynamic = tmp_path / "dynamic"
+    shutil.copytree(tiny_model_dir, dynamic)
+    (dynamic / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KAITEN_MODEL": ""}
+    cases = [(cmd, gpt2, f"architecture GPT2LMHeadModel is not supported; supported: {', '.join(supported_architectures())}")
+             for cmd in (["serve", str(gpt2), "--port", "0"], ["engine", "--model", str(gpt2)],
+                         ["gateway", "--model", str(gpt2)], ["tokenizer", "--model", str(gpt2)],
+                         ["generate", "--model", str(gpt2), "hi"], ["convert", str(gpt2)])]
+    cases += [(cmd, dynamic, "rope type 'dynamic' is not supported")
+              for cmd in (["engine", "--model", str(dynamic), "--enforce-eager"],
+                          ["generate", "--model", str(dynamic), "hi"])]
+    for cmd, model, message in cases:
+        out = subprocess.run([PY, "-m", "shared.cli", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=180)
+        assert out.returncode == 2, (cmd, out.stderr[-2000:])
+        assert message in out.stderr and f"kaiten {cmd[0]}: " in out.stderr, (cmd, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr, cmd

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.model.lora_layers import LoraBatch, project
+from shared.model_families import UnsupportedModelError
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -18,7 +19,7 @@ def activation(name: str):
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}") from None
+        raise UnsupportedModelError(f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}") from None
 
 
 class GatedMLP(nn.Module):

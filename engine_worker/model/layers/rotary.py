@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from shared.model_families import UnsupportedModelError
+
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -32,7 +34,7 @@ def inverse_frequencies(hf_config, layer_type: str | None, head_dim: int, max_mo
     params, keyed = rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
     if rope_type == "default":
         partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0)
         dim = int(head_dim * partial)
