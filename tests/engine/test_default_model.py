@@ -137,7 +137,8 @@ def test_default_model_directory(model_dir):
     assert tcfg["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert tcfg["eos_token"] == "<|im_end|>" and tcfg["model_max_length"] == 8192
     assert "<|im_start|>" in tcfg["chat_template"]
-    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    # <|im_end|>, and what llama.cpp also stops on: <|endoftext|>, <repo_name> (fill-in-the-middle)
+    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 0, 4]
 
     from safetensors import safe_open
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:

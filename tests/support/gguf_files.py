@@ -35,7 +35,7 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(model_dir: Path, path: Path, pre: str = "gpt2", qtype: str | None = None,
+def write_llama_gguf(model_dir: Path, path: Path, pre: str = "gpt-2", qtype: str | None = None,
                      embed_qtype: str | None = None) -> Path:
     """The tiny HF model directory as a GGUF file: F32, or its matrices quantized with gguf's own
     quantizer to `qtype` (the embedding and output layer to `embed_qtype`, if given)."""

@@ -22,6 +22,7 @@ SDIST = f"llama-cpp-python=={VERSION}"
 _PREFIX = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
 _PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-", "LICENSE")
 _DONE = ".complete"
+_TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
 def cache_root() -> Path:
@@ -80,9 +81,16 @@ def vocab_fixture(name: str) -> tuple[Path, list[str], list[list[int]]]:
     """models/ggml-vocab-<name>.gguf, its test inputs and llama.cpp's token ids for each."""
     models = llama_cpp_dir() / "models"
     gguf = models / f"ggml-vocab-{name}.gguf"
-    # As llama.cpp's tests/test-tokenizer-0 reads them: inputs separated by a marker line, one line
-    # of space-separated ids per input.
-    inputs = (models / f"{gguf.name}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
-    lines = (models / f"{gguf.name}.out").read_text(encoding="utf-8").split("\n")
-    ids = [[int(t) for t in line.split()] for line in lines[:len(inputs) - 1]]
-    return gguf, inputs[:len(ids)], ids
+    # As llama.cpp's tests/test-tokenizer-0.cpp reads them: the raw text (no newline translation)
+    # cut at each marker line, a last piece kept unless the file ends with a marker (gemma-4's does
+    # not); one line of space-separated ids per input, as many lines as inputs.
+    raw = (models / f"{gguf.name}.inp").read_bytes().decode("utf-8")
+    inputs = raw.split(_TEST_SEPARATOR)
+    if not raw or raw.endswith(_TEST_SEPARATOR):
+        inputs.pop()
+    lines = (models / f"{gguf.name}.out").read_bytes().decode("utf-8").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    if len(lines) != len(inputs):
+        raise ValueError(f"{gguf.name}: {len(inputs)} inputs but {len(lines)} lines of ids")
+    return gguf, inputs, [[int(t) for t in line.split()] for line in lines]
