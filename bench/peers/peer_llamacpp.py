@@ -1,7 +1,7 @@
 """Served, on the same GGUF file: the stock `vllm bench serve` client against `kaiten serve`
 (--quantization auto: the file's matrices multiplied as stored) and llama.cpp's `llama-server`,
 both up together and measured in interleaved rounds (bench/peers/peer_serve.py), for the default
-model's Q4_1 file and its Q8_0 requantization.
+model's Q4_1 file and its Q8_0 requantization, or Gemma 3 270M's Q4_K_M file (--files gemma3).
 
     .venv/bin/python bench/peers/peer_llamacpp.py                      # Q4_1 and Q8_0, concurrency 1 and 32
     .venv/bin/python bench/peers/peer_llamacpp.py --files q4_1 --concurrency 1
@@ -109,8 +109,8 @@ def start_llama_server(kind: str, gguf: str, tokenizer_dir: str, args) -> tuple[
     for flags in ([], ["--no-repack"]):
         port = free_port()
         try:
-            return start_server(f"llamacpp_{kind}", ["bash", args.llama_peer, "serve", gguf, str(port), *flags],
-                                "/health", port, tokenizer_dir, args), flags
+            cmd = ["bash", args.llama_peer, "serve", gguf, str(port), "--alias", Path(tokenizer_dir).name, *flags]
+            return start_server(f"llamacpp_{kind}", cmd, "/health", port, tokenizer_dir, args), flags
         except RuntimeError as e:
             if flags or f"exited with {-signal.SIGILL} " not in str(e):
                 raise
