@@ -266,7 +266,11 @@ def _open_gguf(path: Path):
         def data(self, value):
             self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
-    return _Reader(str(path))
+    try:
+        return _Reader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        # what gguf's reader raises where the file ends early or its header is damaged
+        raise ValueError(f"{path.name} is not a complete GGUF file ({type(e).__name__}: {e})") from None
 
 
 def _model_config(meta: _Meta, reader) -> tuple:
@@ -418,16 +422,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("KAITEN_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.gguf is not None:
-        if args.out is None:
-            ap.error("--gguf needs --out")
-        print(convert_gguf(args.gguf, args.out))
-        return 0
-    from shared.model_source import ModelNotFoundError, resolve_model
+    if args.gguf is not None and args.out is None:
+        ap.error("--gguf needs --out")
+    from shared.model_source import resolve_model
     try:
-        print(resolve_model(args.model if args.model is not None else os.environ.get("KAITEN_MODEL", ""),
-                            args.models_dir))
-    except ModelNotFoundError as e:
+        if args.gguf is not None:
+            print(convert_gguf(args.gguf, args.out))
+        else:
+            print(resolve_model(args.model if args.model is not None else os.environ.get("KAITEN_MODEL", ""),
+                                args.models_dir))
+    except (ValueError, OSError) as e:    # ModelNotFoundError among them: a file it cannot serve says why
         print(f"kaiten convert: {e}", file=sys.stderr)
         return 2
     return 0

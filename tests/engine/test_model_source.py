@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from shared.gguf_convert import MARKER
-from shared.model_source import ModelNotFoundError, hf_hub_cache, resolve_model
+from shared.model_source import ModelNotFoundError, UnservableModelError, hf_hub_cache, resolve_model
 from tests.support.gguf_files import write_llama_gguf
 from tests.support.paths import ROOT
 from tests.support.tiny_model import CHAT_TEMPLATE
@@ -110,9 +110,35 @@ UNSUPPORTED = "unsupported GGUF architecture 'mamba'; supported: gemma3, llama, 
 
 
 def test_other_gguf_architectures_get_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=UNSUPPORTED):
+    with pytest.raises(UnservableModelError, match=UNSUPPORTED):
         resolve_model(str(_mamba_gguf(tmp_path / "m.gguf")), tmp_path / "models")
     assert not (tmp_path / "models" / "m").exists()
+
+
+def test_a_gguf_file_that_cannot_be_served_is_one_line_and_exit_2(tiny_gguf, tmp_path):
+    """An unknown architecture, a file cut short in its tensors or in its header: each command
+    prints why on one line (the only one, at log level WARNING) and exits 2, with no traceback."""
+    data = tiny_gguf.read_bytes()
+    (tmp_path / "short.gguf").write_bytes(data[:len(data) // 2])
+    (tmp_path / "header.gguf").write_bytes(data[:4000])
+    mamba = _mamba_gguf(tmp_path / "mamba.gguf")
+    env = {**os.environ, "KAITEN_LOG_LEVEL": "WARNING", "KAITEN_MODEL": ""}
+    models = ["--models-dir", str(tmp_path / "models")]
+    for cmd, why in ((["convert", str(mamba), *models], UNSUPPORTED),
+                     (["convert", str(tmp_path / "short.gguf"), *models], "short.gguf is not a complete GGUF file"),
+                     (["convert", str(tmp_path / "header.gguf"), *models], "header.gguf is not a complete GGUF file"),
+                     (["convert", "--gguf", str(tmp_path / "short.gguf"), "--out", str(tmp_path / "out")],
+                      "short.gguf is not a complete GGUF file"),
+                     (["engine", "--model", str(mamba)], UNSUPPORTED),
+                     (["generate", "--model", str(mamba), "hi"], UNSUPPORTED)):
+        out = subprocess.run([PY, "-m", "shared.cli", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2, (cmd, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr, (cmd, out.stderr[-2000:])
+        line = out.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"kaiten {cmd[0]}: ") and why in line, (cmd, out.stderr)
+        if cmd[0] == "convert":
+            assert out.stderr.count("\n") == 1, (cmd, out.stderr)
 
 
 def _fake_hf_cache(hub: Path, repo_id: str, files: dict[str, Path], with_ref: bool = True) -> Path:
