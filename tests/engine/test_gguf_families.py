@@ -102,6 +102,23 @@ def test_converted_directory_loads_with_transformers_and_gives_the_source_logits
     assert not (converted.out / QUANTIZED_FILE).exists()      # nothing quantized in an F32 file
 
 
+@pytest.mark.parametrize("kind,dtype", [("F16", torch.float16), ("BF16", torch.bfloat16)])
+def test_f16_and_bf16_tensors_are_kept_as_they_are(family_gguf, tmp_path, kind, dtype):
+    """An F16 or BF16 file (matrices in that type, norms F32, as llama.cpp's --outtype writes them):
+    the same types in model.safetensors, and the model in the matrices' dtype."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    source, f32 = family_gguf("qwen3")
+    matrices = [t.name for t in gguf.GGUFReader(str(f32)).tensors if len(t.shape) == 2]
+    out = convert_gguf(rewrite_gguf(f32, tmp_path / f"qwen3.{kind}.gguf", qtypes=dict.fromkeys(matrices, kind)),
+                       tmp_path / "converted")
+    want, got = load_file(str(source / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    for name, w in want.items():
+        assert torch.equal(got[name], w.to(dtype) if w.dim() == 2 else w), name
+    assert AutoConfig.from_pretrained(out).dtype == dtype
+
+
 # --------------------------------------------------------------------------- quantized files
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
