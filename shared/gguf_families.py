@@ -22,7 +22,7 @@ them, and ``rope_theta``/``rope_scaling`` (Gemma 3: ``rope_local_base_freq``) as
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.gguf_rope import (default_parameters, f32, llama3_parameters, longrope_parameters,
@@ -65,7 +65,6 @@ class Family:
     permuted_qk: bool = False                    # attn_q/attn_k rows interleaved for llama.cpp's rope
     norms_plus_one: bool = False                 # norm weights stored with Gemma's 1 added
     biases: tuple[str, ...] = ()                 # leaves whose bias the HF class always has
-    global_names: dict[str, str] = field(default_factory=lambda: dict(_GLOBAL_NAMES))
 
 
 # --------------------------------------------------------------------------- configs
@@ -276,8 +275,8 @@ def family_for(arch: str) -> Family:
 def hf_name(family: Family, gguf_name: str) -> str:
     """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
     module, _, suffix = gguf_name.rpartition(".")
-    if module in family.global_names:
-        return f"{family.global_names[module]}.{suffix}"
+    if module in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[module]}.{suffix}"
     parts = module.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in family.layer_names:
         return f"model.layers.{int(parts[1])}.{family.layer_names[parts[2]]}.{suffix}"
@@ -286,9 +285,9 @@ def hf_name(family: Family, gguf_name: str) -> str:
 
 def expected_names(family: Family, config: dict) -> set[str]:
     """Every tensor the Hugging Face class has, by its Hugging Face name."""
-    names = {f"{family.global_names[m]}.weight" for m in ("token_embd", "output_norm")}
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config["tie_word_embeddings"]:
-        names.add(f"{family.global_names['output']}.weight")
+        names.add("lm_head.weight")
     biases = set(family.biases)
     if config.get("attention_bias"):
         biases |= set(_ATTENTION)

@@ -18,12 +18,11 @@ import torch
 
 from shared import gguf_quant
 from shared.gguf_convert import QUANTIZED_FILE, convert_gguf, ensure_default_model
-from shared.gguf_families import FAMILIES as CONVERTED, Source, family_for
+from shared.gguf_families import FAMILIES as CONVERTED, Source, family_for, hf_name
 from shared.gguf_rope import llama3_parameters
 from tests.support.family_models import (FAMILIES, ORIGINAL_CONTEXT, SENTENCEPIECE_FAMILIES, SEQ_LEN, WINDOW,
                                          build_family_model, convert_model_only, llama_cpp_gguf, rewrite_gguf)
 
-T = gguf.GGMLQuantizationType
 # Config fields each family's differences live in, beyond the common ones: equal to the source's.
 COMMON_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "max_position_embeddings")
@@ -171,7 +170,6 @@ def _file_values(quant: Path) -> dict[str, tuple[str, np.ndarray]]:
 
 
 def _hf(name: str) -> str:
-    from shared.gguf_families import hf_name
     return hf_name(family_for("llama"), name)
 
 
