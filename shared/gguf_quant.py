@@ -7,7 +7,9 @@ scale and (optionally) an fp32 min; an element is ``q * scale + min``:
 * ``int4``: ``qweight`` uint8 [N, K / 2], group 32, always with mins. Byte i of a group's 16 holds
   element i in its low nibble and element i + 16 in its high nibble (GGUF's Q4_0 order).
   From Q4_0 (min = -8 d), Q4_1 (min = m) and Q4_K (scale = d * sc, min = -dmin * m, per 32).
-* ``int8``: ``qweight`` int8 [N, K], no mins; group 32 from Q8_0, 16 from Q6_K (q - 32).
+* ``int8``: ``qweight`` int8 [N, K], group 32 or 16. Without mins: Q8_0 (32), Q6_K (q - 32, per
+  16) and Q5_0 (q - 16, per 32). With mins, the 5-bit values 0..31 as stored: Q5_1 (min = m) and
+  Q5_K (scale = d * sc, min = -dmin * m, per 32).
 
 ``dequantize()`` computes each element as GGUF's own numpy dequantizer does (one rounding, after
 an exact product), so it is bit-identical to ``gguf.quants.dequantize`` (up to the sign of zero). numpy only: the converter
@@ -89,6 +91,28 @@ def _from_q8_0(data: np.ndarray) -> PackedWeight:
     return PackedWeight(b[..., 2:].reshape(b.shape[0], -1).view(np.int8), _f16(b[..., 0:2]), None)
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 32 high bits (4 bytes, bit j for element j) as 0 or 16 per element."""
+    return ((qh[..., :, None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*qh.shape[:-1], 32) << 4
+
+
+def _q5_values(b: np.ndarray, qh: slice, qs: slice) -> np.ndarray:
+    """The 5-bit values 0..31 of Q5_0/Q5_1 blocks [N, blocks, bytes], [N, K] in input order."""
+    lo = b[..., qs, None] >> np.array([0, 4], dtype=np.uint8)          # [N, nb, 16, 2]
+    lo = (lo & 0x0F).swapaxes(-1, -2).reshape(*b.shape[:2], 32)        # low nibbles: elements 0..15
+    return (lo | _fifth_bits(b[..., qh])).reshape(b.shape[0], -1)
+
+
+def _from_q5_0(data: np.ndarray) -> PackedWeight:
+    b = _blocks(data, 22)
+    return PackedWeight(_q5_values(b, slice(2, 6), slice(6, 22)).astype(np.int8) - 16, _f16(b[..., 0:2]), None)
+
+
+def _from_q5_1(data: np.ndarray) -> PackedWeight:
+    b = _blocks(data, 24)
+    return PackedWeight(_q5_values(b, slice(4, 8), slice(8, 24)).astype(np.int8), _f16(b[..., 0:2]), _f16(b[..., 2:4]))
+
+
 def _q4_k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The eight 6-bit scales and mins packed in a Q4_K block's 12 bytes."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -108,6 +132,19 @@ def _from_q4_k(data: np.ndarray) -> PackedWeight:
     return PackedWeight(_pack_nibbles((q & 0x0F).reshape(n, -1)), scales, mins)
 
 
+def _from_q5_k(data: np.ndarray) -> PackedWeight:
+    b = _blocks(data, 176)
+    n, nb = b.shape[:2]
+    sc, mn = _q4_k_scale_min(b[..., 4:16])
+    scales = (_f16(b[..., 0:2])[..., None] * sc).reshape(n, -1)
+    mins = -(_f16(b[..., 2:4])[..., None] * mn).reshape(n, -1)
+    # as Q4_K's nibbles, plus a fifth bit: bit i of byte l is element l of sub-block i
+    lo = b[..., 48:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    hi = b[..., 16:48].reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    q = (lo & 0x0F).reshape(n, nb, 8, 32) | ((hi & 1) << 4)
+    return PackedWeight(q.astype(np.int8).reshape(n, -1), scales, mins)
+
+
 def _from_q6_k(data: np.ndarray) -> PackedWeight:
     b = _blocks(data, 210)
     n, nb = b.shape[:2]
@@ -125,7 +162,8 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
     return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(q.shape[0], -1)
 
 
-REPACKERS = {"Q4_0": _from_q4_0, "Q4_1": _from_q4_1, "Q8_0": _from_q8_0, "Q4_K": _from_q4_k, "Q6_K": _from_q6_k}
+REPACKERS = {"Q4_0": _from_q4_0, "Q4_1": _from_q4_1, "Q5_0": _from_q5_0, "Q5_1": _from_q5_1, "Q8_0": _from_q8_0,
+             "Q4_K": _from_q4_k, "Q5_K": _from_q5_k, "Q6_K": _from_q6_k}
 
 
 def repack(data: np.ndarray, type_name: str) -> PackedWeight:

@@ -31,6 +31,11 @@ class ModelNotFoundError(ValueError):
     pass
 
 
+class UnservableModelError(ModelNotFoundError):
+    """A GGUF file that is there but cannot be served: an architecture the converter does not know,
+    a truncated or damaged file. A ModelNotFoundError, so every command prints it as one line."""
+
+
 MODEL_ERRORS = (ModelNotFoundError, UnsupportedModelError)     # a user's mistake: one line, no traceback
 
 
@@ -85,7 +90,10 @@ def _is_gguf(path: Path) -> bool:
 
 def _converted(gguf_file: Path, models_dir) -> Path:
     from shared.gguf_convert import ensure_converted_gguf
-    return ensure_converted_gguf(gguf_file, models_dir)
+    try:
+        return ensure_converted_gguf(gguf_file, models_dir)
+    except ValueError as e:                      # convert_gguf says why it cannot convert the file
+        raise UnservableModelError(f"cannot serve {gguf_file}: {' '.join(str(e).split())}") from e
 
 
 def _from_hf_cache(repo_id: str) -> tuple[Path | None, str]:

@@ -97,12 +97,14 @@ def test_ensure_default_model_fast_path_imports_nothing_heavy(tmp_path):
 
 def test_unpermute_inverts_llama_cpp_permute():
     import numpy as np
+
+    from shared.gguf_weights import unpermute_qk
     n_heads, head_dim, d_in = 3, 8, 5
     w = np.arange(n_heads * head_dim * d_in, dtype=np.float32).reshape(n_heads * head_dim, d_in)
     # llama.cpp's convert_hf_to_gguf.py permute (HF half-split rotary -> interleaved pairs).
     permuted = w.reshape(n_heads, 2, head_dim // 2, d_in).swapaxes(1, 2).reshape(w.shape)
     assert not np.array_equal(permuted, w)
-    np.testing.assert_array_equal(gguf_convert.unpermute_qk(permuted, n_heads), w)
+    np.testing.assert_array_equal(unpermute_qk(permuted, n_heads), w)
 
 
 # --------------------------------------------------------------------------- slow: the real model

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from shared.gguf_convert import MARKER
-from shared.model_source import ModelNotFoundError, hf_hub_cache, resolve_model
+from shared.model_source import ModelNotFoundError, UnservableModelError, hf_hub_cache, resolve_model
 from tests.support.gguf_files import write_llama_gguf
 from tests.support.paths import ROOT
 from tests.support.tiny_model import CHAT_TEMPLATE
@@ -59,11 +59,12 @@ def test_a_gguf_file_is_converted_once(tiny_model_dir, tiny_gguf, tmp_path):
     assert out == models / "tiny-llama.F32"
     marker = json.loads((out / MARKER).read_text())
     assert marker["source"] == str(tiny_gguf) and marker["size"] == tiny_gguf.stat().st_size
-    # The weights are the original's in bf16, q/k rows back in HF's order; the tokenizer encodes alike.
+    # The weights are the original's (an F32 file: fp32, exactly), q/k rows back in HF's order; the
+    # tokenizer encodes alike.
     want, got = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert want.keys() == got.keys()
     for name, t in want.items():
-        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16)), name
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], t), name
     a, b = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")), Tokenizer.from_file(str(out / "tokenizer.json"))
     for text in ("The quick brown fox. Paris is the capital of France.", "<|im_start|>user\nHi 0123<|im_end|>",
                  "Émilie aime le café 🙂"):
@@ -93,18 +94,51 @@ def test_llama3_pre_tokenizer(tiny_model_dir, tmp_path):
     assert [p for p, _ in pre.pre_tokenize_str("I'm 12345 ok")] == ["I", "'m", "Ġ", "123", "45", "Ġok"]
 
 
-def test_other_gguf_architectures_get_a_clear_error(tmp_path):
+def _mamba_gguf(path: Path) -> Path:
     import gguf
 
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen2")
+    w = gguf.GGUFWriter(str(path), "mamba")
     w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen2': only llama"):
-        resolve_model(str(tmp_path / "m.gguf"), tmp_path / "models")
+    return path
+
+
+UNSUPPORTED = "unsupported GGUF architecture 'mamba'; supported: gemma3, llama, phi3, qwen2, qwen3, smollm3"
+
+
+def test_other_gguf_architectures_get_a_clear_error(tmp_path):
+    with pytest.raises(UnservableModelError, match=UNSUPPORTED):
+        resolve_model(str(_mamba_gguf(tmp_path / "m.gguf")), tmp_path / "models")
     assert not (tmp_path / "models" / "m").exists()
+
+
+def test_a_gguf_file_that_cannot_be_served_is_one_line_and_exit_2(tiny_gguf, tmp_path):
+    """An unknown architecture, a file cut short in its tensors or in its header: each command
+    prints why on one line (the only one, at log level WARNING) and exits 2, with no traceback."""
+    data = tiny_gguf.read_bytes()
+    (tmp_path / "short.gguf").write_bytes(data[:len(data) // 2])
+    (tmp_path / "header.gguf").write_bytes(data[:4000])
+    mamba = _mamba_gguf(tmp_path / "mamba.gguf")
+    env = {**os.environ, "KAITEN_LOG_LEVEL": "WARNING", "KAITEN_MODEL": ""}
+    models = ["--models-dir", str(tmp_path / "models")]
+    for cmd, why in ((["convert", str(mamba), *models], UNSUPPORTED),
+                     (["convert", str(tmp_path / "short.gguf"), *models], "short.gguf is not a complete GGUF file"),
+                     (["convert", str(tmp_path / "header.gguf"), *models], "header.gguf is not a complete GGUF file"),
+                     (["convert", "--gguf", str(tmp_path / "short.gguf"), "--out", str(tmp_path / "out")],
+                      "short.gguf is not a complete GGUF file"),
+                     (["engine", "--model", str(mamba)], UNSUPPORTED),
+                     (["generate", "--model", str(mamba), "hi"], UNSUPPORTED)):
+        out = subprocess.run([PY, "-m", "shared.cli", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2, (cmd, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr, (cmd, out.stderr[-2000:])
+        line = out.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"kaiten {cmd[0]}: ") and why in line, (cmd, out.stderr)
+        if cmd[0] == "convert":
+            assert out.stderr.count("\n") == 1, (cmd, out.stderr)
 
 
 def _fake_hf_cache(hub: Path, repo_id: str, files: dict[str, Path], with_ref: bool = True) -> Path:

@@ -9,14 +9,20 @@ from shared.gguf_quant import PackedWeight, concat, repack
 from tests.support.gguf_files import gguf_tensor
 
 T = gguf.GGMLQuantizationType
-@pytest.mark.parametrize("type_name,k", [("Q4_0", 96), ("Q4_1", 96), ("Q8_0", 96), ("Q4_K", 512), ("Q6_K", 512)])
-def test_repack_is_bit_identical_to_gguf(type_name, k):
+# type: (kind, group, with mins); every group a size the CPU kernel takes (int4: 32; int8: 16 or 32)
+LAYOUTS = {"Q4_0": ("int4", 32, True), "Q4_1": ("int4", 32, True), "Q4_K": ("int4", 32, True),
+           "Q5_0": ("int8", 32, False), "Q5_1": ("int8", 32, True), "Q5_K": ("int8", 32, True),
+           "Q6_K": ("int8", 16, False), "Q8_0": ("int8", 32, False)}
+
+
+@pytest.mark.parametrize("type_name", sorted(LAYOUTS))
+def test_repack_is_bit_identical_to_gguf(type_name):
+    k = 512
     data = gguf_tensor(type_name, 24, k)
     packed = repack(data, type_name)
     expected = gguf.quants.dequantize(data, T[type_name]).reshape(24, k)
     assert packed.shape == (24, k)
-    assert packed.kind == ("int8" if type_name in ("Q8_0", "Q6_K") else "int4")
-    assert packed.group == (16 if type_name == "Q6_K" else 32)
+    assert (packed.kind, packed.group, packed.mins is not None) == LAYOUTS[type_name]
     # + 0.0 turns -0.0 into 0.0: Q4_0's d * (q - 8) is -0.0 for q = 8 and a negative d, q * d - 8 d is 0.0
     np.testing.assert_array_equal((packed.dequantize() + 0.0).view(np.uint32), (expected + 0.0).view(np.uint32))
 

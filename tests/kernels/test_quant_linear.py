@@ -23,7 +23,7 @@ NEVER = 1 << 30
 METHODS = {"registers": NEVER, "dense": 0}
 # (format, N, K): N not a multiple of TILE_ROWS, K a multiple of 32 (of 256 for the K-quants)
 CASES = [("Q4_0", 37, 96), ("Q4_1", 45, 160), ("Q8_0", 37, 96), ("Q4_K", 19, 512), ("Q6_K", 23, 256),
-         ("mixed", 21, 256), ("Q8_0+min", 13, 64)]
+         ("Q5_0", 29, 96), ("Q5_1", 27, 160), ("Q5_K", 17, 256), ("mixed", 21, 256), ("Q8_0+min", 13, 64)]
 
 
 def layer(fmt: str, n: int, k: int) -> QuantLinear:

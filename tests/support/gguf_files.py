@@ -14,7 +14,7 @@ from tests.support.tiny_model import CHAT_TEMPLATE
 T = gguf.GGMLQuantizationType
 # (type, byte offsets of fp16 fields inside a block): K-quants are filled with random bytes, whose
 # fp16 fields are set to ordinary values (random bits would be NaNs and infinities)
-K_QUANT_F16 = {"Q4_K": (0, 2), "Q6_K": (208,)}
+K_QUANT_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def gguf_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
