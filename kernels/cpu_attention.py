@@ -285,12 +285,17 @@ class CppAttention:
         torch.ops.kaiten_cpu.write_kv(*_kv_args(key, value, k_cache, v_cache, slot_mapping))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+        if window:
+            raise NotImplementedError("the C++ kernel has no sliding window yet")
         out = torch.ops.kaiten_cpu.paged_attention(_kernel_q(q), k_cache, v_cache, *_metadata(meta), float(scale))
         return out.to(q.dtype)
 
-    def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                               window: int = 0):
         """One op, kaiten_cpu::write_kv_attention."""
+        if window:
+            raise NotImplementedError("the C++ kernel has no sliding window yet")
         kv = _kv_args(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.ops.kaiten_cpu.write_kv_attention(_kernel_q(q), *kv, *_metadata(meta), float(scale))
         return out.to(q.dtype)

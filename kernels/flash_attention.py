@@ -61,7 +61,10 @@ class FlashAttention(TwoCalls):
         v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        if window:
+            raise NotImplementedError("the flash-attn backend has no sliding window yet")
         if q.dtype not in _FA_DTYPES or k_cache.dtype != q.dtype:
             if self._triton is None:
                 log.warning("flash-attn supports fp16/bf16 only; using the Triton kernels for %s",

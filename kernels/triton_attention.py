@@ -402,8 +402,11 @@ class TritonAttention(TwoCalls):
         write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """out: optional preallocated [num_tokens, num_heads, head_dim] result (any strides)."""
+        if window:
+            raise NotImplementedError("the Triton kernels have no sliding window yet")
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:

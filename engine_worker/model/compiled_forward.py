@@ -111,7 +111,9 @@ class OpAttention(TwoCalls):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         torch.ops.kaiten.write_kv(key, value, k_cache, v_cache, slot_mapping, self.name)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+        if window:
+            raise NotImplementedError("kaiten::paged_attention has no sliding window yet")
         return torch.ops.kaiten.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
                                                 meta.block_tables, scale, self.name)
 
