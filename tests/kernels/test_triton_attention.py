@@ -14,6 +14,8 @@ never written, or a stale block, poisons the result); K/V are written through wr
 -1 padding slots (the cache must then equal a torch-indexed copy exactly); the output is
 preallocated as NaN and every element must be written; the reference is a dense
 scaled_dot_product_attention per sequence on the original K/V (not read back from the cache).
+Cases with a sliding window also fill the blocks wholly before each sequence's window with NaN
+once K/V are written: the kernels must not read them.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class Case:
     dispatch: str = "auto"       # "auto" (attention()), or force "prefill" on any batch
     host_lists: bool = True      # fill meta.seqlens_q_list / seqlens_k_list
     padded_rows: int = 0         # CUDA-graph style dummy rows: q_len 1, empty context, slot -1
+    window: int = 0              # sliding window (0: none); the blocks before it are NaN-filled
 
     @property
     def group(self) -> int:
@@ -91,6 +94,27 @@ CASES = [
     Case("odd_shapes_g3_d48_bs12", 3, 1, 48, 12, [(13, 11), (0, 1), (24, 1)], backend=SMALL, seed=11),
     Case("decode_odd_shapes_g3_d48_bs12", 3, 1, 48, 12, [(13, 1), (0, 1), (23, 1)],
          backend=dict(SMALL, decode_splits=2), seed=12),
+    # sliding windows: starting mid-block and on block boundaries (47 + 1 - 16 = 32), of one key,
+    # longer than every context; decodes split over the window's tiles; prefill chunks over a
+    # cached prefix whose rows' windows start in different tiles; odd shapes
+    Case("window_decode_g3_d32_bs16_split3", 6, 2, 32, 16,
+         [(0, 1), (15, 1), (16, 1), (47, 1), (99, 1), (64, 1), (200, 1)],
+         backend=dict(SMALL, decode_splits=3), padded_rows=1, window=16, seed=60),
+    Case("window_decode_g1_d64_bs16_defaults", 2, 2, 64, 16, [(300, 1), (20, 1), (130, 1)],
+         backend=dict(decode_splits=4), window=70, seed=61),
+    Case("window_chunked_g3_d32_bs16", 6, 2, 32, 16,
+         [(16, 7), (33, 20), (5, 1), (0, 29), (47, 2), (60, 3), (0, 70)],
+         backend=SMALL, window=13, seed=62),
+    Case("window1_mixed_g3_d32_bs16", 3, 1, 32, 16, [(1, 1), (20, 13), (47, 1), (40, 40)],
+         backend=SMALL, window=1, seed=63),
+    Case("window_mixed_g3_d64_bs32_defaults", 6, 2, 64, 32,
+         [(0, 23), (40, 1), (63, 1), (31, 34), (64, 1), (100, 90)], window=40, seed=64),
+    Case("window_mixed_g3_d32_bs16_all_in_prefill_kernel", 3, 1, 32, 16, [(16, 1), (3, 18), (32, 1), (50, 4)],
+         backend=dict(SMALL, split_mixed=False), window=17, padded_rows=1, seed=65),
+    Case("window_longer_than_contexts_g3_d32_bs16", 6, 2, 32, 16, [(16, 7), (33, 1), (0, 29)],
+         backend=SMALL, window=1000, seed=66),
+    Case("window_odd_shapes_g3_d48_bs12", 3, 1, 48, 12, [(30, 11), (0, 1), (40, 1)],
+         backend=dict(SMALL, decode_splits=2), window=14, seed=67),
 ]
 
 
@@ -179,7 +203,8 @@ def build_case(case: Case, device="cpu", dtype=torch.float32, cache_fill=float("
 
 
 def reference(case: Case, data) -> torch.Tensor:
-    """Dense causal SDPA per sequence in fp32 on CPU (bottom-right aligned causal mask)."""
+    """Dense causal SDPA per sequence in fp32 on CPU (bottom-right aligned causal mask; with a
+    window W, query position p sees keys p - W < k <= p)."""
     q = data["q"].float().cpu()
     outs = []
     start = 0
@@ -188,12 +213,26 @@ def reference(case: Case, data) -> torch.Tensor:
         qi = q[start:start + n].transpose(0, 1)                       # [H, n, D]
         k = data["k_full"][i].float().repeat_interleave(case.group, dim=1).transpose(0, 1)
         v = data["v_full"][i].float().repeat_interleave(case.group, dim=1).transpose(0, 1)
-        mask = torch.arange(L)[None, :] <= (c + torch.arange(n))[:, None]
+        pos = (c + torch.arange(n))[:, None]
+        mask = torch.arange(L)[None, :] <= pos
+        if case.window:
+            mask &= torch.arange(L)[None, :] > pos - case.window
         outs.append(F.scaled_dot_product_attention(qi, k, v, attn_mask=mask,
                                                    scale=data["scale"]).transpose(0, 1))
         start += n
     outs.append(torch.zeros(case.padded_rows, case.num_heads, case.head_dim))  # empty context
     return torch.cat(outs)
+
+
+def poison_before_windows(case: Case, data) -> int:
+    """NaN into every block wholly before its sequence's first query's window; returns how many."""
+    tables, bs, n = data["meta"].block_tables.cpu(), case.block_size, 0
+    for i, (c, _) in enumerate(case.seqs):
+        for b in range(max(0, c - case.window + 1) // bs):
+            data["k_cache"][int(tables[i, b])] = float("nan")
+            data["v_cache"][int(tables[i, b])] = float("nan")
+            n += 1
+    return n
 
 
 def run_case(backend, case: Case, data) -> dict:
@@ -207,14 +246,15 @@ def run_case(backend, case: Case, data) -> dict:
             raise AssertionError(f"write_kv: {which} cache written at the wrong slots")
         if exact and not torch.equal(torch.nan_to_num(got), torch.nan_to_num(want.to(got.dtype))):
             raise AssertionError(f"write_kv: wrong {which} cache contents")
+    poisoned = poison_before_windows(case, data) if case.window else 0
 
     q, meta = data["q"], data["meta"]
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     if case.dispatch == "prefill":
-        backend.prefill(q, data["k_cache"], data["v_cache"], meta, data["scale"], out)
+        backend.prefill(q, data["k_cache"], data["v_cache"], meta, data["scale"], out, window=case.window)
         ret = out
     else:
-        ret = backend.attention(q, data["k_cache"], data["v_cache"], meta, data["scale"], out=out)
+        ret = backend.attention(q, data["k_cache"], data["v_cache"], meta, data["scale"], case.window, out=out)
     if ret.data_ptr() != out.data_ptr():
         raise AssertionError("attention(out=...) did not return the given tensor")
     out = out.float().cpu()
@@ -223,7 +263,7 @@ def run_case(backend, case: Case, data) -> dict:
         raise AssertionError(f"{unwritten} of {out.numel()} output elements not written (NaN)")
     ref = reference(case, data)
     rel = ((out - ref).norm() / ref.norm()).item()
-    return {"rel_err": rel, "shape": list(out.shape)}
+    return {"rel_err": rel, "shape": list(out.shape), "poisoned_blocks": poisoned}
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +318,18 @@ def test_cases_cover_the_matrix():
     assert any(all(n == 1 for _, n in c.seqs) for c in CASES)                     # decode-only
     assert any(any(n > 1 and k > 0 for k, n in c.seqs) for c in CASES)           # cached prefix
     assert any(len({n == 1 for _, n in c.seqs}) == 2 for c in CASES)             # mixed
+    windowed = [c for c in CASES if c.window]
+    assert {1, 1000} <= {c.window for c in windowed}
+    assert any(c.backend.get("decode_splits", 1) > 1 for c in windowed)
+    assert any(any(n > 1 and k > 0 for k, n in c.seqs) for c in windowed)
+
+
+def test_window_cases_poison_blocks(interp_results):
+    """The window cases do NaN-fill blocks before their windows (but the one longer than every
+    context, which has none)."""
+    for case in CASES:
+        if case.window and case.window < 1000:
+            assert interp_results[case.name].get("poisoned_blocks", 0) > 0, case.name
 
 
 def test_backend_registry_and_flash_attn_import_error():
@@ -406,8 +458,9 @@ def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_kernels_build_for_h100_without_spills():
     """The real (non-interpreted) GPU build of every kernel at the bf16 defaults for a Llama-like
-    shape (32 heads, 8 KV heads, head_dim 128, block 16): compiles for sm_90, no register spills.
-    The interpreter does not catch what only the compiler rejects; this runs without a GPU."""
+    shape (32 heads, 8 KV heads, head_dim 128, block 16), with and without a sliding window:
+    compiles for sm_90, no register spills. The interpreter does not catch what only the compiler
+    rejects; this runs without a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 is set in this process")
     pytest.importorskip("triton")
@@ -422,15 +475,18 @@ def test_kernels_build_for_h100_without_spills():
                   block_tables=i32, qk_scale=0.1, stride_qt=(H + 2 * Hkv) * D, stride_qh=D,
                   stride_qd=1, stride_ot=H * D, stride_oh=D, stride_od=1, stride_bt=37, **cache)
     bm, bn, warps, stages = ta._prefill_config(2, D)
-    built = {"prefill": _compile_sm90(
-        ta._prefill_kernel, dict(common, num_seqs=7),
-        dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_M=bm, BLOCK_Q=bm // (H // Hkv),
-             BLOCK_N=bn, BLOCK_D=D, SKIP_DECODE=True, DOT_PRECISION=None), warps, stages)}
     dbn, dwarps, dstages = ta._decode_config(2, D)
-    built["decode"] = _compile_sm90(
-        ta._decode_kernel, dict(common, O_part=f32, LSE_part=f32, num_splits=5),
-        dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_G=16, BLOCK_N=dbn, BLOCK_D=D, SPLIT=True,
-             DOT_PRECISION=None), dwarps, dstages)
+    built = {}
+    for sliding, window in ((False, 0), (True, 4096)):
+        name = "_sliding" if sliding else ""
+        built["prefill" + name] = _compile_sm90(
+            ta._prefill_kernel, dict(common, num_seqs=7, window=window),
+            dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_M=bm, BLOCK_Q=bm // (H // Hkv),
+                 BLOCK_N=bn, BLOCK_D=D, SKIP_DECODE=True, SLIDING=sliding, DOT_PRECISION=None), warps, stages)
+        built["decode" + name] = _compile_sm90(
+            ta._decode_kernel, dict(common, O_part=f32, LSE_part=f32, num_splits=5, window=window),
+            dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_G=16, BLOCK_N=dbn, BLOCK_D=D, SPLIT=True,
+                 SLIDING=sliding, DOT_PRECISION=None), dwarps, dstages)
     built["reduce"] = _compile_sm90(
         ta._decode_reduce_kernel, dict(O=bf, O_part=f32, LSE_part=f32, cu_seqlens_q=i32,
                                        num_splits=5, stride_ot=H * D, stride_oh=D, stride_od=1),
