@@ -356,19 +356,26 @@ def test_backend_registry_and_flash_attn_import_error():
 
 def _fake_flash_attn(calls: list):
     """A stand-in `flash_attn` module with flash-attn 2.8's signatures and documented semantics
-    (paged cache through block_table, causal mask aligned bottom-right), dense torch inside.
-    It checks FlashAttention's glue (argument names, shapes, cu_seqlens_k, dispatch) on CPU."""
+    (paged cache through block_table, causal mask aligned bottom-right, window_size=(left, right)
+    keys around each query's diagonal, -1 unbounded, keys read from the first query's window on),
+    dense torch inside. It checks FlashAttention's glue (argument names, shapes, cu_seqlens_k,
+    dispatch) on CPU."""
     import types
 
-    def dense(q, k_cache, v_cache, table, L, scale):          # q [n, H, D] of one sequence
+    def dense(q, k_cache, v_cache, table, L, scale, window_size):   # q [n, H, D] of one sequence
         bs = k_cache.shape[1]
-        pos = torch.arange(L)
+        n, left = q.shape[0], window_size[0]
+        assert window_size[1] in (0, -1)          # the right side: causal
+        first = max(0, L - n - left) if left >= 0 else 0
+        pos = torch.arange(first, L)
         blk = table[pos // bs].long()
         k, v = k_cache[blk, pos % bs].float(), v_cache[blk, pos % bs].float()
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, 1).transpose(0, 1), v.repeat_interleave(g, 1).transpose(0, 1)
-        n = q.shape[0]
-        mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+        qpos = (L - n + torch.arange(n))[:, None]
+        mask = pos[None, :] <= qpos
+        if left >= 0:
+            mask &= pos[None, :] >= qpos - left
         return F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask,
                                               scale=scale).transpose(0, 1).to(q.dtype)
 
@@ -382,7 +389,7 @@ def _fake_flash_attn(calls: list):
         assert q.dim() == 4 and k is None and causal and k_cache.shape[1] % 256 == 0
         assert block_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32
         return torch.stack([dense(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]),
-                                  softmax_scale) for b in range(q.shape[0])])
+                                  softmax_scale, window_size) for b in range(q.shape[0])])
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, causal=False,
@@ -393,7 +400,7 @@ def _fake_flash_attn(calls: list):
         assert max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         assert max_seqlen_k == int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
         outs = [dense(q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]], k, v, block_table[b],
-                      int(cu_seqlens_k[b + 1] - cu_seqlens_k[b]), softmax_scale)
+                      int(cu_seqlens_k[b + 1] - cu_seqlens_k[b]), softmax_scale, window_size)
                 for b in range(cu_seqlens_q.shape[0] - 1)]
         return torch.cat(outs)
 
@@ -403,19 +410,25 @@ def _fake_flash_attn(calls: list):
     return mod
 
 
-@pytest.mark.parametrize("seqs,path", [
-    ([(0, 1), (255, 1), (256, 1), (300, 1)], "with_kvcache"),
-    ([(0, 30), (255, 1), (250, 9), (0, 1)], "varlen"),
-], ids=["decode", "mixed"])
-def test_flash_attention_glue_with_fake_module(monkeypatch, seqs, path):
+@pytest.mark.parametrize("seqs,path,window", [
+    ([(0, 1), (255, 1), (256, 1), (300, 1)], "with_kvcache", 0),
+    ([(0, 30), (255, 1), (250, 9), (0, 1)], "varlen", 0),
+    ([(0, 1), (600, 1), (256, 1), (300, 1)], "with_kvcache", 100),
+    ([(0, 30), (600, 9), (250, 9), (0, 1), (300, 300)], "varlen", 100),
+    ([(600, 1), (300, 9)], "varlen", 1),
+], ids=["decode", "mixed", "decode-window", "mixed-window", "window-1"])
+def test_flash_attention_glue_with_fake_module(monkeypatch, seqs, path, window):
+    """Also: a window reaches both functions as window_size=(W - 1, 0) (the blocks before it are
+    NaN-filled, and the fake reads from the window on, as flash-attn does)."""
     calls: list[str] = []
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(calls))
     from kernels.flash_attention import FlashAttention
-    case = Case("fa_glue", 6, 2, 32, FlashAttention.REQUIRED_BLOCK_SIZE, seqs, seed=50)
+    case = Case("fa_glue", 6, 2, 32, FlashAttention.REQUIRED_BLOCK_SIZE, seqs, seed=50, window=window)
     data = build_case(case, dtype=torch.bfloat16, cache_fill=100.0)
     res = run_case(FlashAttention(), case, data)
     assert calls == [path]
     assert res["rel_err"] < 2e-2, res
+    assert not window or res["poisoned_blocks"], res
 
 
 def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -538,6 +551,9 @@ FA_CASES = [
     Case("fa_decode_g4_d128", 32, 8, 128, 256, [(0, 1), (255, 1), (256, 1), (1000, 1)], seed=30),
     Case("fa_mixed_g4_d128", 32, 8, 128, 256, [(0, 300), (700, 1), (255, 40), (256, 1)], seed=31),
     Case("fa_chunked_g1_d64", 4, 4, 64, 256, [(300, 129), (0, 1), (511, 2)], seed=32),
+    Case("fa_window_mixed_g4_d128", 32, 8, 128, 256, [(0, 300), (700, 1), (255, 40), (900, 20)],
+         window=200, seed=33),
+    Case("fa_window_decode_g4_d128", 32, 8, 128, 256, [(1000, 1), (5, 1), (513, 1)], window=256, seed=34),
 ]
 
 
