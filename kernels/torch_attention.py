@@ -22,9 +22,9 @@ attention once per layer with the same metadata); the plans are rebuilt whenever
 contents differ.
 
 The padded positions of a group (beyond a context, before a window's first key in its first
-block, or a padding block, read as block 0) are masked, but they are read: the cache must hold finite values everywhere (allocate it with
-torch.zeros, as engine_worker/model/model_runner.py does), since NaN/Inf there would leak through
-0 * NaN in the softmax and P @ V products.
+block, or a padding block, read as block 0) are masked, but they are read: the cache must hold
+finite values everywhere (allocate it with torch.zeros, as engine_worker/model/model_runner.py
+does), since NaN/Inf there would leak through 0 * NaN in the softmax and P @ V products.
 """
 from __future__ import annotations
 
