@@ -410,6 +410,24 @@ def test_blocks_before_the_window_are_never_read(stale):
     assert torch.equal(got, want)
 
 
+def test_compiled_forwards_op_takes_the_window():
+    """The compiled model's kaiten::paged_attention (OpAttention, for backends torch.compile cannot
+    trace) forwards the window, as its trailing int argument (0 by default), fake kernel included."""
+    from engine_worker.model.compiled_forward import OpAttention
+    case = Case(WINDOW_SPECS, 9, 3, 64, 16, torch.float32, 12)
+    case.write(TorchAttention())
+    be = TorchAttention()
+    for window in (0, 1, 20):
+        want = be.attention(case.q, case.k_cache, case.v_cache, case.meta, 0.125, window)
+        got = OpAttention("torch").attention(case.q, case.k_cache, case.v_cache, case.meta, 0.125, window)
+        assert torch.equal(got, want)
+    op = torch.ops.kaiten.paged_attention.default
+    assert op._schema.arguments[-1].name == "window" and op._schema.arguments[-1].default_value == 0
+    args = (case.q, case.k_cache, case.v_cache, case.meta.cu_seqlens_q, case.meta.seqlens_k,
+            case.meta.block_tables, 0.125, "torch")
+    torch.library.opcheck(op, args, {"window": 20}, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_negative_window_is_rejected():
     case = Case([(1, 5)], 4, 4, 16, 16, torch.float32, 11)
     with pytest.raises(ValueError, match="window"):

@@ -303,6 +303,8 @@ def test_registry_and_custom_op(backend):
     q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=5)
     got = paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, 0.125, "cpu")
     torch.testing.assert_close(got, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
+    got = paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, 0.125, "cpu", 6)
+    torch.testing.assert_close(got, dense_reference(q, keys, values, specs, 0.125, 6), **TOL[torch.float32])
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(backend):
