@@ -227,11 +227,11 @@ def load_extension():
 def _register_fakes() -> None:
     """Shapes of the extension's dispatcher ops (kaiten_cpu::...) for torch.compile's tracing."""
     torch.library.register_fake("kaiten_cpu::paged_attention")(
-        lambda q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale: torch.empty_like(q))
+        lambda q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, window=0: torch.empty_like(q))
     torch.library.register_fake("kaiten_cpu::write_kv")(
         lambda key, value, k_cache, v_cache, slot_mapping: None)
     torch.library.register_fake("kaiten_cpu::write_kv_attention")(
-        lambda q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seqlens_k, block_tables, scale:
+        lambda q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seqlens_k, block_tables, scale, window=0:
         torch.empty_like(q))
     torch.library.register_fake("kaiten_cpu::packed_linear")(
         lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
@@ -285,14 +285,16 @@ class CppAttention:
         torch.ops.kaiten_cpu.write_kv(*_kv_args(key, value, k_cache, v_cache, slot_mapping))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.ops.kaiten_cpu.paged_attention(_kernel_q(q), k_cache, v_cache, *_metadata(meta), float(scale))
+                  meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+        out = torch.ops.kaiten_cpu.paged_attention(_kernel_q(q), k_cache, v_cache, *_metadata(meta), float(scale),
+                                                   int(window))
         return out.to(q.dtype)
 
-    def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                               window: int = 0):
         """One op, kaiten_cpu::write_kv_attention."""
         kv = _kv_args(key, value, k_cache, v_cache, meta.slot_mapping)
-        out = torch.ops.kaiten_cpu.write_kv_attention(_kernel_q(q), *kv, *_metadata(meta), float(scale))
+        out = torch.ops.kaiten_cpu.write_kv_attention(_kernel_q(q), *kv, *_metadata(meta), float(scale), int(window))
         return out.to(q.dtype)
 
 

@@ -7,6 +7,10 @@ seqlen_k - q_len + j, exactly the interface's convention. The cache layout
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` is flash-attn's paged layout; FA2 needs
 block_size % 256 == 0, hence ``REQUIRED_BLOCK_SIZE`` (the engine reads it and logs the change).
 
+A sliding window of W keys is flash-attn's ``window_size=(W - 1, 0)`` (the W - 1 keys before each
+query and none after; (-1, -1) for none), the interface's convention; flash-attn starts each
+query block's key loop at its first query's window (n_block_min), so blocks before it are not read.
+
 flash-attn has no fp32 kernels: fp32 models fall back to the Triton kernels (logged once).
 write_kv uses the Triton write kernel (it skips slot -1 without a host sync).
 """
@@ -61,12 +65,16 @@ class FlashAttention(TwoCalls):
         v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        if window < 0:
+            raise ValueError(f"window {window} < 0 (0: no window)")
         if q.dtype not in _FA_DTYPES or k_cache.dtype != q.dtype:
             if self._triton is None:
                 log.warning("flash-attn supports fp16/bf16 only; using the Triton kernels for %s",
                             q.dtype)
-            return self._triton_backend().attention(q, k_cache, v_cache, meta, scale, out=out)
+            return self._triton_backend().attention(q, k_cache, v_cache, meta, scale, window, out=out)
+        window_size = (window - 1, 0) if window > 0 else (-1, -1)
         if k_cache.shape[1] % self.REQUIRED_BLOCK_SIZE:
             raise ValueError(f"flash-attn paged KV needs block_size % {self.REQUIRED_BLOCK_SIZE} "
                              f"== 0, got {k_cache.shape[1]}")
@@ -76,7 +84,7 @@ class FlashAttention(TwoCalls):
             res = self._with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache,
                 cache_seqlens=meta.seqlens_k, block_table=meta.block_tables,
-                softmax_scale=scale, causal=True,
+                softmax_scale=scale, causal=True, window_size=window_size,
             ).squeeze(1)
         else:
             cu_seqlens_k = torch.nn.functional.pad(
@@ -84,7 +92,7 @@ class FlashAttention(TwoCalls):
             res = self._varlen(
                 q, k_cache, v_cache, meta.cu_seqlens_q, cu_seqlens_k,
                 meta.max_seqlen_q, meta.max_seqlen_k,
-                softmax_scale=scale, causal=True, block_table=meta.block_tables,
+                softmax_scale=scale, causal=True, window_size=window_size, block_table=meta.block_tables,
             )
         if out is None:
             return res

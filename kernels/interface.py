@@ -11,6 +11,18 @@ paged cache.
 Cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
 Token t of a sequence lives in block block_tables[i, t // block_size], offset t % block_size;
 its slot is block * block_size + offset. A slot of -1 means "skip" (padding rows).
+
+Sliding window: ``attention`` and ``write_kv_and_attention`` take ``window``, an int per call (per
+layer; Mistral's every layer, 5 of 6 of Gemma 3's). 0 means no window (plain causal). With W > 0
+the query at position p attends exactly the keys at positions k with p - W < k <= p: W keys
+including its own, as transformers' ``sliding_window_overlay`` (``kv_idx > q_idx -
+sliding_window``) and flash-attn's ``window_size=(W - 1, 0)``; a window at least as long as the
+context changes nothing. This holds for decodes, prefill chunks over a cached prefix and the
+multi-token queries of speculative verification alike, each query row with its own window.
+Block-table entries of blocks wholly before max(0, first query position - W + 1) are never read
+(the first query position is seqlens_k[i] - q_len_i): the engine may release the blocks that fell
+out of the window of every sliding layer, and their entries may then name blocks reused by other
+sequences, or be -1.
 """
 from __future__ import annotations
 
@@ -53,22 +65,24 @@ class AttentionBackend(Protocol):
         """key/value: [num_tokens, num_kv_heads, head_dim] -> cache slots; slot -1 skipped."""
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
-        GQA: query head h reads kv head h // (num_heads // num_kv_heads)."""
+        GQA: query head h reads kv head h // (num_heads // num_kv_heads). window: the sliding
+        window in keys (see the module docstring), 0 for none."""
 
     def write_kv_and_attention(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                               scale: float) -> torch.Tensor:
-        """write_kv(key, value, ..., meta.slot_mapping), then attention(q, ...): a layer's step."""
+                               scale: float, window: int = 0) -> torch.Tensor:
+        """write_kv(key, value, ..., meta.slot_mapping), then attention(q, ..., window): a layer's step."""
 
 
 class TwoCalls:
     """write_kv_and_attention as the two calls, for backends that do not fuse them."""
 
-    def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                               window: int = 0):
         self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        return self.attention(q, k_cache, v_cache, meta, scale)
+        return self.attention(q, k_cache, v_cache, meta, scale, window)
 
 
 def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:

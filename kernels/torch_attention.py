@@ -12,15 +12,19 @@ How a step's batch is computed:
 * Prefill chunks (q_len > 1, a few per step) loop per sequence: gather the context's blocks,
   then one SDPA call with ``enable_gqa`` and a bottom-right aligned causal mask (the chunk may sit
   in the middle of a context with a cached prefix).
+* With a sliding window, both gather from the block holding the first key a query of the
+  sequence sees (the blocks before it may have been released), and the masks also cut each
+  query's keys before its window.
 
-The plan (groups, index tensors, masks) depends only on the metadata, so it is built once and
-reused by every layer of the step (the engine calls attention once per layer with the same
-metadata); it is rebuilt whenever the metadata's contents differ.
+The plan (groups, index tensors, masks) depends only on the metadata and the window, so it is
+built once per window and reused by every layer of the step with that window (the engine calls
+attention once per layer with the same metadata); the plans are rebuilt whenever the metadata's
+contents differ.
 
-The padded positions of a group (beyond a context, or a -1 block table entry, read as block 0)
-are masked, but they are read: the cache must hold finite values everywhere (allocate it with
-torch.zeros, as engine_worker/model/model_runner.py does), since NaN/Inf there would leak through
-0 * NaN in the softmax and P @ V products.
+The padded positions of a group (beyond a context, before a window's first key in its first
+block, or a padding block, read as block 0) are masked, but they are read: the cache must hold
+finite values everywhere (allocate it with torch.zeros, as engine_worker/model/model_runner.py
+does), since NaN/Inf there would leak through 0 * NaN in the softmax and P @ V products.
 """
 from __future__ import annotations
 
@@ -45,21 +49,23 @@ class _DecodeGroup:
         self.tok_idx = tok_idx      # int64 [n] query rows of the group (None when a contiguous run)
         self.tok_start = tok_start  # first query row when the group is a contiguous run
         self.n = n                  # sequences in the group
-        self.nblk = nblk            # blocks gathered per sequence (the group's longest context)
+        self.nblk = nblk            # blocks gathered per sequence (the group's longest span)
         self.blocks = blocks        # int64 [n * nblk] block ids, padding clamped to a valid block
         self.mask = mask            # additive [n, 1, 1, nblk * block_size], None: no padding
 
 
 class _Prefill:
-    __slots__ = ("q_start", "q_len", "ctx", "nblk", "blocks", "mask")
+    __slots__ = ("q_start", "q_len", "first", "keys", "nblk", "blocks", "mask")
 
-    def __init__(self, q_start, q_len, ctx, nblk, blocks, mask):
+    def __init__(self, q_start, q_len, first, keys, nblk, blocks, mask):
         self.q_start = q_start
         self.q_len = q_len
-        self.ctx = ctx
+        self.first = first          # the first key in the gathered blocks (position % block_size)
+        self.keys = keys            # keys from it to the context's end
         self.nblk = nblk
-        self.blocks = blocks        # int64 [nblk]
-        self.mask = mask            # additive [q_len, ctx] bottom-right causal, None: q_len == ctx
+        self.blocks = blocks        # int64 [nblk], from the block holding the first key
+        self.mask = mask            # additive [q_len, keys] bottom-right causal (and window), None:
+                                    # plain causal with q_len == keys
 
 
 class _Plan:
@@ -71,6 +77,11 @@ class _Plan:
         self.decode_groups = decode_groups
         self.prefills = prefills
         self.max_gather_blocks = max_gather_blocks
+
+
+def _first_key(pos: int, window: int) -> int:
+    """The first key the query at position pos sees (its window's, else the context's)."""
+    return max(0, pos - window + 1) if window > 0 else 0
 
 
 class TorchAttention(TwoCalls):
@@ -94,7 +105,7 @@ class TorchAttention(TwoCalls):
         self.group_min_fill = float(group_min_fill)
         self.group_max_tokens = max(1, int(group_max_tokens))
         self._ws: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._plan: _Plan | None = None
+        self._plans: dict[int, _Plan] = {}      # by window: a step's layers may use two
 
     # ------------------------------------------------------------------ write_kv
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -124,19 +135,21 @@ class TorchAttention(TwoCalls):
 
     # ------------------------------------------------------------------ attention
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
         num_tokens, hq, d = q.shape
         _, block_size, hkv, dk = k_cache.shape
         if dk != d:
             raise ValueError(f"query head_dim {d} != cache head_dim {dk}")
         if hq % hkv:
             raise ValueError(f"num_heads {hq} is not a multiple of num_kv_heads {hkv}")
+        if window < 0:
+            raise ValueError(f"window {window} < 0 (0: no window)")
         group = hq // hkv
         out = torch.empty((num_tokens, hq, d), dtype=q.dtype, device=q.device)
         if num_tokens == 0:
             return out
 
-        plan = self._get_plan(meta, block_size, q.device, q.dtype)
+        plan = self._get_plan(meta, block_size, q.device, q.dtype, int(window))
         kbuf, vbuf = self._workspace(plan.max_gather_blocks, k_cache)
 
         for g in plan.decode_groups:
@@ -166,8 +179,9 @@ class TorchAttention(TwoCalls):
             vb = vbuf[: p.nblk]
             torch.index_select(k_cache, 0, p.blocks, out=kb)
             torch.index_select(v_cache, 0, p.blocks, out=vb)
-            k = kb.view(p.nblk * block_size, hkv, d)[: p.ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            v = vb.view(p.nblk * block_size, hkv, d)[: p.ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            keys = slice(p.first, p.first + p.keys)
+            k = kb.view(p.nblk * block_size, hkv, d)[keys].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            v = vb.view(p.nblk * block_size, hkv, d)[keys].transpose(0, 1).unsqueeze(0).to(q.dtype)
             qp = q[p.q_start: p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
             if p.mask is None:
                 o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale,
@@ -199,11 +213,11 @@ class TorchAttention(TwoCalls):
         return cur
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device,
-                  dtype: torch.dtype) -> _Plan:
+                  dtype: torch.dtype, window: int) -> _Plan:
         key = (block_size, device, dtype,
                None if meta.seqlens_q_list is None else tuple(meta.seqlens_q_list),
                None if meta.seqlens_k_list is None else tuple(meta.seqlens_k_list))
-        plan = self._plan
+        plan = self._plans.get(window)
         # Every layer of a step passes the same metadata; compare contents (a few microseconds),
         # not identities, so a caller that refills its metadata tensors in place stays correct.
         if (plan is not None and plan.key == key
@@ -211,12 +225,12 @@ class TorchAttention(TwoCalls):
                 and torch.equal(plan.snap[1], meta.seqlens_k)
                 and torch.equal(plan.snap[2], meta.block_tables)):
             return plan
-        plan = self._build_plan(meta, block_size, device, dtype, key)
-        self._plan = plan
+        plan = self._build_plan(meta, block_size, device, dtype, window, key)
+        self._plans[window] = plan
         return plan
 
     def _build_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device,
-                    dtype: torch.dtype, key: tuple) -> _Plan:
+                    dtype: torch.dtype, window: int, key: tuple) -> _Plan:
         qlens = meta.seqlens_q_list
         if qlens is None:
             qlens = torch.diff(meta.cu_seqlens_q).tolist()
@@ -240,43 +254,34 @@ class TorchAttention(TwoCalls):
         bt = bt.clamp(min=0).long()
         max_gather = 0
 
-        # ---- decodes
+        # ---- decodes: sequence i attends keys [first[i], ctx), gathered from the block holding
+        # first[i] (the whole context without a window)
         dec = [i for i in range(num_seqs) if qlens[i] == 1]
+        first = {i: _first_key(klens[i] - 1, window) for i in dec}
+        span = {i: klens[i] - first[i] for i in dec}
         # longest first; stable so equal lengths keep batch order (contiguous runs stay runs)
-        dec.sort(key=lambda i: -klens[i])
+        dec.sort(key=lambda i: -span[i])
         groups: list[_DecodeGroup] = []
         j = 0
         nd = len(dec)
         while j < nd:
-            first = dec[j]
-            nblk = max(1, -(-klens[first] // block_size))
-            padded = nblk * block_size
+            padded = max(1, -(-span[dec[j]] // block_size)) * block_size
             max_n = max(1, min(self.group_max_seqs, self.group_max_tokens // padded))
             min_len = self.group_min_fill * padded
             e = j + 1
-            while e < nd and e - j < max_n and klens[dec[e]] >= min_len:
+            while e < nd and e - j < max_n and span[dec[e]] >= min_len:
                 e += 1
             members = dec[j:e]
             n = len(members)
-            lens = [klens[i] for i in members]
             rows = [starts[i] for i in members]
             contiguous = all(rows[t] == rows[0] + t for t in range(n))
-            seq_idx = torch.tensor(members, dtype=torch.long, device=device)
-            blocks = bt.index_select(0, seq_idx)[:, :nblk].reshape(-1)
-            if blocks.numel() != n * nblk:   # block table narrower than the context (bad meta)
-                raise ValueError("block_tables has fewer columns than the context needs")
-            if all(ln == padded for ln in lens):
-                mask = None
-            else:
-                lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-                keep = (torch.arange(padded, device=device) < lens_t[:, None]).view(n, 1, 1, padded)
-                mask = _additive(keep, dtype)
+            nblk, blocks, mask = self._decode_gather(bt, members, first, klens, block_size, device, dtype)
             tok_idx = None if contiguous else torch.tensor(rows, dtype=torch.long, device=device)
             groups.append(_DecodeGroup(tok_idx, rows[0], n, nblk, blocks, mask))
             max_gather = max(max_gather, n * nblk)
             j = e
 
-        # ---- prefill chunks (q_len > 1)
+        # ---- prefill chunks (q_len > 1): keys from the first query's first key
         prefills: list[_Prefill] = []
         for i in range(num_seqs):
             ql, ctx = qlens[i], klens[i]
@@ -284,17 +289,50 @@ class TorchAttention(TwoCalls):
                 continue
             if ql > ctx:
                 raise ValueError(f"sequence {i}: {ql} query tokens but a context of {ctx}")
-            nblk = -(-ctx // block_size)
-            blocks = bt[i, :nblk]
-            if blocks.numel() != nblk:
+            first_key = _first_key(ctx - ql, window)
+            fb, end = first_key // block_size, -(-ctx // block_size)
+            blocks = bt[i, fb:end]
+            if blocks.numel() != end - fb:
                 raise ValueError("block_tables has fewer columns than the context needs")
-            if ql == ctx:
+            keys = ctx - first_key
+            cut = 0 < window < ctx             # the window hides some key from some query
+            if ql == keys and not cut:
                 mask = None    # top-left and bottom-right causal coincide
             else:
-                keep = torch.ones((ql, ctx), dtype=torch.bool, device=device).tril_(ctx - ql)
+                keep = torch.ones((ql, keys), dtype=torch.bool, device=device).tril_(keys - ql)
+                if cut:
+                    keep.triu_(keys - ql - window + 1)
                 mask = _additive(keep, dtype)
-            prefills.append(_Prefill(starts[i], ql, ctx, nblk, blocks, mask))
-            max_gather = max(max_gather, nblk)
+            prefills.append(_Prefill(starts[i], ql, first_key - fb * block_size, keys, end - fb, blocks, mask))
+            max_gather = max(max_gather, end - fb)
 
         snap = (meta.cu_seqlens_q.clone(), meta.seqlens_k.clone(), meta.block_tables.clone())
         return _Plan(key, snap, groups, prefills, max_gather)
+
+    @staticmethod
+    def _decode_gather(bt: torch.Tensor, members: list[int], first: dict[int, int], klens: list[int],
+                       block_size: int, device: torch.device, dtype: torch.dtype):
+        """(nblk, blocks, mask) of a decode group: each member's blocks from the one holding its
+        first key, padded with block 0 to the group's widest span; the mask keeps each member's
+        keys [first, ctx) and hides the rest (None when nothing is hidden)."""
+        n = len(members)
+        fb = [first[i] // block_size for i in members]
+        ends = [-(-klens[i] // block_size) for i in members]
+        if max(ends) > bt.shape[1]:      # block table narrower than the context (bad meta)
+            raise ValueError("block_tables has fewer columns than the context needs")
+        nblk = max(1, max(e - b for e, b in zip(ends, fb)))
+        padded = nblk * block_size
+        fb_t = torch.tensor(fb, dtype=torch.long, device=device)
+        cols = fb_t[:, None] + torch.arange(nblk, device=device)
+        inside = cols < torch.tensor(ends, dtype=torch.long, device=device)[:, None]
+        seq_idx = torch.tensor(members, dtype=torch.long, device=device)
+        # only each member's own columns are used: those before its first block may be stale
+        blocks = bt.index_select(0, seq_idx).gather(1, cols.clamp(max=bt.shape[1] - 1))
+        blocks = blocks.masked_fill_(~inside, 0).reshape(-1)
+        lo = [first[i] - b * block_size for i, b in zip(members, fb)]
+        hi = [klens[i] - b * block_size for i, b in zip(members, fb)]
+        if all(a == 0 for a in lo) and all(h == padded for h in hi):
+            return nblk, blocks, None
+        pos = torch.arange(padded, device=device)
+        keep = (pos >= torch.tensor(lo, device=device)[:, None]) & (pos < torch.tensor(hi, device=device)[:, None])
+        return nblk, blocks, _additive(keep.view(n, 1, 1, padded), dtype)

@@ -11,6 +11,12 @@ never repeated. In the prefill kernel the rows of a tile are (query token, head-
 ``BLOCK_Q = BLOCK_M // G`` tokens times ``G`` heads; in the decode kernel the rows are the ``G``
 heads of the single query token (padded to 16 rows for ``tl.dot``).
 
+A sliding window (``window`` W > 0) gives each query row its own first key, position - W + 1:
+the decode kernel's tiles (and splits) start at the tile holding the window's first key, the
+prefill kernel's at the one holding its first row's, and rows mask the keys before theirs. Keys
+before that first key are masked out of every load, block-table entries included, so blocks the
+engine released once they left the window are never read.
+
 Nothing here syncs with the device or depends on tensor values on the host, so the launches are
 safe to capture in CUDA graphs (grids depend on shapes and on ``meta.max_seqlen_*`` only).
 
@@ -74,17 +80,18 @@ def _attn_tiles(
     K_cache, V_cache, bt_row, kvh,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
-    tile_lo, tile_hi, kv_len, qk_scale,
+    tile_lo, tile_hi, kv_lo, kv_len, window, qk_scale,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """kv_len: number of valid keys (loads are masked to it). CAUSAL: also mask key > qpos[row].
-    Non-causal tiles must be fully below every row's position (the caller guarantees it)."""
+    """Keys [kv_lo, kv_len) are loaded (the others, block-table entries included, are never read).
+    CAUSAL: also mask key > qpos[row]; with SLIDING, key <= qpos[row] - window too. Non-causal
+    tiles must be fully below every row's position (the caller guarantees it)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_len
+        n_mask = (offs_n >= kv_lo) & (offs_n < kv_len)
         page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         slot_off = (offs_n % PAGE).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -95,14 +102,21 @@ def _attn_tiles(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if CAUSAL:
             keep = (offs_n[None, :] <= qpos[:, None]) & n_mask[None, :]
+            if SLIDING:
+                keep = keep & (offs_n[None, :] > qpos[:, None] - window)
             s = tl.where(keep, s, float("-inf"))
         else:
             s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # m_new is finite for every row: each row sees at least one key in the first tile, and
-        # rows with no key in a later tile keep their previous (finite) max.
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # Without SLIDING, m_new is finite for every row: each row sees at least one key in the
+        # first tile, and rows with no key in a later tile keep their previous (finite) max. With
+        # it, a row's window may start in a later tile: its weights are exp2(-inf - 0) = 0 until then.
+        if SLIDING:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -117,7 +131,7 @@ def _attn_tiles(
 def _decode_kernel(
     Q, K_cache, V_cache, O, O_part, LSE_part,
     cu_seqlens_q, seqlens_k, block_tables,
-    qk_scale, num_splits,
+    qk_scale, num_splits, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
@@ -125,7 +139,7 @@ def _decode_kernel(
     stride_bt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -145,10 +159,17 @@ def _decode_kernel(
     q = tl.load(Q + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
-    num_tiles = tl.cdiv(kv_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    # The splits share the tiles from the one holding the first key the query sees (with a
+    # window, the window's: every row's, as the rows are one token's heads).
+    if SLIDING:
+        kv_lo = tl.maximum(kv_len - window, 0)
+    else:
+        kv_lo = 0
+    first_tile = kv_lo // BLOCK_N
+    end_tile = tl.cdiv(kv_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(end_tile - first_tile, num_splits)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, end_tile)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -158,8 +179,8 @@ def _decode_kernel(
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qpos, K_cache, V_cache, bt_row, kvh,
         stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
-        tile_lo, tile_hi, kv_len, qk_scale,
-        PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION)
+        tile_lo, tile_hi, kv_lo, kv_len, window, qk_scale,
+        PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION)
 
     empty = l_i == 0.0                  # no keys in this split (or an empty context)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -226,7 +247,7 @@ def _find_seq(cu_seqlens_q, num_seqs, pid, BLOCK_Q: tl.constexpr):
 def _prefill_kernel(
     Q, K_cache, V_cache, O,
     cu_seqlens_q, seqlens_k, block_tables,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
@@ -234,7 +255,7 @@ def _prefill_kernel(
     stride_bt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -259,10 +280,11 @@ def _prefill_kernel(
     tok = (q_start + q_idx).to(tl.int64)
     q = tl.load(Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)
-    # Padding rows attend to key 0 only, so every row has a finite max (their output is dropped).
-    qpos = tl.where(row_valid, ctx_start + q_idx, 0)
-
     first_pos = ctx_start + q_tile * BLOCK_Q                          # tile's first query position
+    # Padding rows attend as the first row does, so every row has a finite max (their output is
+    # dropped).
+    qpos = tl.where(row_valid, ctx_start + q_idx, first_pos)
+
     kv_hi = tl.minimum(kv_len, first_pos + BLOCK_Q)                   # keys this tile can see
     full_tiles = (first_pos + 1) // BLOCK_N       # tiles with every key <= first_pos: no masking
     num_tiles = tl.cdiv(kv_hi, BLOCK_N)
@@ -271,16 +293,29 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables + seq.to(tl.int64) * stride_bt
+    if SLIDING:
+        # Keys from the first row's window start; the tiles below the last row's window start
+        # (win_tiles) are masked by the rows' windows as well as causally.
+        kv_lo = tl.maximum(first_pos - window + 1, 0)
+        win_tiles = tl.minimum(tl.cdiv(tl.maximum(kv_hi - window, 0), BLOCK_N), num_tiles)
+        acc, m_i, l_i = _attn_tiles(
+            acc, m_i, l_i, q, qpos, K_cache, V_cache, bt_row, kvh,
+            stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
+            kv_lo // BLOCK_N, win_tiles, kv_lo, kv_hi, window, qk_scale,
+            PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, True, True, DOT_PRECISION)
+    else:
+        kv_lo = 0
+        win_tiles = 0
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qpos, K_cache, V_cache, bt_row, kvh,
         stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
-        0, full_tiles, kv_hi, qk_scale,
-        PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PRECISION)
+        win_tiles, full_tiles, kv_lo, kv_hi, window, qk_scale,
+        PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION)
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qpos, K_cache, V_cache, bt_row, kvh,
         stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
-        full_tiles, num_tiles, kv_hi, qk_scale,
-        PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, True, DOT_PRECISION)
+        tl.maximum(full_tiles, win_tiles), num_tiles, kv_lo, kv_hi, window, qk_scale,
+        PAGE, HEAD_DIM, BLOCK_N, BLOCK_D, True, False, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]     # l_i == 0 only for an empty context
     tl.store(O + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -402,24 +437,27 @@ class TritonAttention(TwoCalls):
         write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """out: optional preallocated [num_tokens, num_heads, head_dim] result (any strides)."""
+        if window < 0:
+            raise ValueError(f"window {window} < 0 (0: no window)")
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
             return out
         _check_device(q)
         if meta.is_decode_only:
-            self.decode(q, k_cache, v_cache, meta, scale, out)
+            self.decode(q, k_cache, v_cache, meta, scale, out, window)
             return out
         # Mixed batch: the q_len-1 rows go to the decode kernel (a prefill tile would spend
         # BLOCK_M rows of work on a handful of heads), the rest to the prefill kernel. Both
         # kernels skip the other's sequences on the device, so this needs no host sync.
         lens = meta.seqlens_q_list
         has_decode = self.split_mixed and (lens is None or 1 in lens)
-        self.prefill(q, k_cache, v_cache, meta, scale, out, skip_decode=has_decode)
+        self.prefill(q, k_cache, v_cache, meta, scale, out, skip_decode=has_decode, window=window)
         if has_decode:
-            self.decode(q, k_cache, v_cache, meta, scale, out)
+            self.decode(q, k_cache, v_cache, meta, scale, out, window)
         return out
 
     # -- launches -----------------------------------------------------------------------------
@@ -437,7 +475,7 @@ class TritonAttention(TwoCalls):
         return self.fp32_precision if q.dtype == torch.float32 else None
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                skip_decode: bool = False):
+                skip_decode: bool = False, window: int = 0):
         """All sequences (any q_len >= 1), or with skip_decode all but those with q_len 1."""
         group, num_kv_heads, head_dim = self._check(q, k_cache, v_cache)
         block_d = triton.next_power_of_2(head_dim)
@@ -450,16 +488,16 @@ class TritonAttention(TwoCalls):
         _prefill_kernel[grid](
             q, k_cache, v_cache, out,
             meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables,
-            scale * LOG2E, num_seqs,
+            scale * LOG2E, num_seqs, window,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
             meta.block_tables.stride(0),
             GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=head_dim,
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
-            SKIP_DECODE=skip_decode, DOT_PRECISION=self._dot_precision(q),
+            SKIP_DECODE=skip_decode, SLIDING=window > 0, DOT_PRECISION=self._dot_precision(q),
             num_warps=num_warps, num_stages=num_stages,
         )
 
-    def _num_splits(self, q, num_seqs, num_kv_heads, max_seqlen_k, block_n) -> int:
+    def _num_splits(self, q, num_seqs, num_kv_heads, max_keys, block_n) -> int:
         if self.decode_splits is not None:
             return max(1, int(self.decode_splits))
         sms = _sm_count(q.device)
@@ -467,11 +505,12 @@ class TritonAttention(TwoCalls):
         if sms == 0 or programs >= sms:
             return 1
         # Enough programs to fill the GPU twice, but at least 2 KV tiles per split.
-        splits = min(math.ceil(2 * sms / programs), math.ceil(max_seqlen_k / (2 * block_n)),
+        splits = min(math.ceil(2 * sms / programs), math.ceil(max_keys / (2 * block_n)),
                      self.max_decode_splits)
         return max(1, splits)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor):
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+               window: int = 0):
         """The sequences with q_len 1 (all of them in a decode-only batch); others untouched."""
         group, num_kv_heads, head_dim = self._check(q, k_cache, v_cache)
         num_seqs = meta.num_seqs
@@ -479,7 +518,8 @@ class TritonAttention(TwoCalls):
         block_g = max(16, triton.next_power_of_2(group))
         block_n, num_warps, num_stages = _decode_config(q.element_size(), block_d)
         block_n = self.decode_block_n or block_n
-        splits = self._num_splits(q, num_seqs, num_kv_heads, meta.max_seqlen_k, block_n)
+        keys = min(meta.max_seqlen_k, window) if window > 0 else meta.max_seqlen_k
+        splits = self._num_splits(q, num_seqs, num_kv_heads, keys, block_n)
         if splits > 1:
             o_part = torch.empty((num_seqs, q.shape[1], splits, block_d), dtype=torch.float32,
                                  device=q.device)
@@ -490,12 +530,12 @@ class TritonAttention(TwoCalls):
         _decode_kernel[(num_seqs, num_kv_heads, splits)](
             q, k_cache, v_cache, out, o_part, lse_part,
             meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables,
-            scale * LOG2E, splits,
+            scale * LOG2E, splits, window,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
             meta.block_tables.stride(0),
             GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=head_dim,
             BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-            SPLIT=splits > 1, DOT_PRECISION=self._dot_precision(q),
+            SPLIT=splits > 1, SLIDING=window > 0, DOT_PRECISION=self._dot_precision(q),
             num_warps=num_warps, num_stages=num_stages,
         )
         if splits > 1:

@@ -115,7 +115,7 @@ def bench_case(name, specs, dtype, runs, seed):
     flat = TorchAttention(group_max_seqs=1 << 30, group_min_fill=0.0, group_max_tokens=1 << 40)
 
     def first_call():
-        fast._plan = None
+        fast._plans.clear()
         fast.attention(q, kc, vc, meta, SCALE)
 
     fns = {"fast": lambda: fast.attention(q, kc, vc, meta, SCALE),
@@ -140,7 +140,7 @@ def bench_case(name, specs, dtype, runs, seed):
     err = (fast.attention(q, kc, vc, meta, SCALE).float() - ref).abs().max().item()
     err_flat = (flat.attention(q, kc, vc, meta, SCALE).float() - ref).abs().max().item()
     err_cpp = None if cpp is None else (cpp.attention(q, kc, vc, meta, SCALE).float() - ref).abs().max().item()
-    plan = fast._plan
+    plan = fast._plans[0]
     padded = sum(g.n * g.nblk * BS for g in plan.decode_groups)
     dec_ctx = sum(ctx for ql, ctx in specs if ql == 1)
     r = lambda x: round(x, 3)  # noqa: E731

@@ -86,15 +86,16 @@ def _write_kv_fake(key, value, k_cache, v_cache, slot_mapping, backend):
 @torch.library.custom_op("kaiten::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, backend: str) -> torch.Tensor:
-    """q [T, H, D] against the paged cache -> [T, H, D] (kernels/interface.py's contract)."""
+                    scale: float, backend: str, window: int = 0) -> torch.Tensor:
+    """q [T, H, D] against the paged cache -> [T, H, D] (kernels/interface.py's contract; window:
+    the layer's sliding window, 0 for none)."""
     meta = _metadata(cu_seqlens_q, seqlens_k, block_tables)
-    out = _backend(backend, q.device).attention(q, k_cache, v_cache, meta, scale)
+    out = _backend(backend, q.device).attention(q, k_cache, v_cache, meta, scale, window)
     return out.clone() if out is q else out         # a custom op's output must not alias an input
 
 
 @paged_attention.register_fake
-def _paged_attention_fake(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, backend):
+def _paged_attention_fake(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, backend, window=0):
     return torch.empty_like(q)
 
 
@@ -111,9 +112,9 @@ class OpAttention(TwoCalls):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         torch.ops.kaiten.write_kv(key, value, k_cache, v_cache, slot_mapping, self.name)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
         return torch.ops.kaiten.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
-                                                meta.block_tables, scale, self.name)
+                                                meta.block_tables, scale, self.name, window)
 
 
 @contextlib.contextmanager

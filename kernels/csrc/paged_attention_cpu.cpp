@@ -27,6 +27,12 @@
 // each over its context; the parts' unnormalised rows, maxima and sums are merged after
 // (split_decodes, combine_parts), so one stream's attention uses every core.
 //
+// A sliding window of W keys (the `window` argument, 0: none) gives each query row its own first
+// key, pos - W + 1: an item's key loop starts at its first row's (at the tile, or the block, holding
+// it), the rows mask the keys before theirs as they mask those after their position, and a split
+// decode splits the window's keys. Blocks wholly before the first query's window are never read:
+// the engine may have released them.
+//
 // A bf16 chunk of at least kFlashMinTokens query tokens, on a CPU with AMX, goes instead to ATen's
 // flash attention (at::scaled_dot_product_attention), whose bf16 GEMMs run on AMX tiles: 2-core
 // Xeon with AMX, 30 layers of SmolLM2's heads (9 query, 3 kv, head_dim 64), a 256-token prompt
@@ -78,7 +84,8 @@ struct Geometry {
 struct WorkItem {
   int32_t seq, kv_head, num_kv, q_begin, q_end;   // kv heads [kv_head, kv_head + num_kv), query
   int64_t cost;                                   // tokens [q_begin, q_end) of the sequence
-  int32_t key_begin = 0, key_end = -1;            // key positions [key_begin, key_end) (-1: to the last)
+  int32_t key_begin = 0, key_end = -1;            // key positions [key_begin, key_end) (-1: to the last);
+                                                  // key_begin: from the first row's window on
   int32_t part = -1;                              // >= 0: a split decode's part (Inputs::part_o/m/l)
 };
 
@@ -95,13 +102,14 @@ struct Scratch {
   std::vector<uint32_t> kt2;               // K tile as bf16 pairs [dp / 2][KT] (bf16 dot products)
   std::vector<uint32_t> pp;                // P as bf16 pairs [rows][KT / 2] (bf16 dot products)
   std::vector<int64_t> pos;                // context position of each row's token
-  std::vector<int> valid;
+  std::vector<int64_t> lo;                 // the first key position each row sees (its window's)
+  std::vector<int> first, valid;           // per tile: each row sees its keys [first, valid)
   int64_t rows, d, dp;
   Scratch(int64_t rows, int64_t d, int64_t dp)
       : q(rows * dp, 0.f), o(rows * dp, 0.f), kf(KT * dp, 0.f), kt(dp * KT, 0.f),
         vf(KT * dp, 0.f), s(rows * KT, 0.f), p(rows * KT, 0.f), lsum(rows * KT, 0.f),
         m(rows, kNegInf), corr(rows, 1.f), qb(rows * dp), kt2(dp / 2 * KT, 0), pp(rows * KT / 2, 0), pos(rows, 0),
-        valid(rows, 0), rows(rows), d(d), dp(dp) {}
+        lo(rows, 0), first(rows, 0), valid(rows, 0), rows(rows), d(d), dp(dp) {}
 };
 
 // The calling thread's Scratch, kept between calls (OpenMP's threads persist): a decode step's 30
@@ -301,18 +309,19 @@ inline void qk_direct(const float* q, int64_t rows, int64_t dp, const T* const* 
 }
 
 // ------------------------------------------------------------------------------ online softmax
-// Row r sees the first valid[r] keys of the tile (0: none). Rescales the running sum, writes
-// p = exp(s - new max) (0 for masked keys) and the factor corr[r] that rescales the output row.
+// Row r sees keys [first[r], valid[r]) of the tile (none when empty). Rescales the running sum,
+// writes p = exp(s - new max) (0 for masked keys) and the factor corr[r] that rescales the output row.
 inline void softmax_update(Scratch& w, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = w.s.data() + r * KT;
     float* p = w.p.data() + r * KT;
-    const int n = w.valid[r];
-    if (n <= 0) {
+    const int f = w.first[r], n = w.valid[r];
+    if (n <= f) {
       std::fill(p, p + KT, 0.f);
       w.corr[r] = 1.f;
       continue;
     }
+    std::fill(s, s + f, kNegInf);
     std::fill(s + n, s + KT, kNegInf);
     Vec sv[KV];
     Vec mx(kNegInf);
@@ -539,6 +548,20 @@ inline void pv_rows_bf16(Scratch& w, int64_t r0, int64_t r1, int64_t dp, const c
 constexpr bool kBf16Dot = false;
 #endif
 
+// ------------------------------------------------------------------------------ sliding window
+// The first key position the query at position pos sees: with a window of W keys, W - 1 before
+// its own; without one (0), the context's first.
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+// Where a key loop that must reach key `first` starts: at the start of its tile of KT, so that
+// with a block_size a multiple of KT each tile sits in one block (a strided K tile, one block's
+// rows), but not before the start of first's block: the blocks before it may be released.
+inline int64_t loop_start(int64_t first, int64_t block_size) {
+  return std::max(first / KT * KT, first / block_size * block_size);
+}
+
 // ------------------------------------------------------------------------------ one work item
 // q and out in T (float or bf16), the caches in C (float, bf16 or fp16).
 template <typename T, typename C>
@@ -551,6 +574,7 @@ struct Inputs {
   const int32_t* seqlens_k;
   const int32_t* block_tables;
   float scale;
+  int64_t window;                          // sliding window in keys, 0: none
   float* part_o;                           // [part][RB][dp] unnormalised output rows
   float* part_m;                           // [part][RB] running max
   float* part_l;                           // [part][RB] sum of exp(s - max)
@@ -717,7 +741,10 @@ void run_item(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scr
   prefetch_rows(in.k_cache, offs, first_nk, span);
   prefetch_rows(in.v_cache, offs, first_nk, span);
   init_rows(in, it, g, w);
-  for (int64_t r = 0; r < rows; ++r) w.pos[r] = first_pos + (r % head_rows) / g.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    w.pos[r] = first_pos + (r % head_rows) / g.group;
+    w.lo[r] = window_start(w.pos[r], in.window);
+  }
   for (int64_t kt0 = key_begin; kt0 < key_end; kt0 += KT) {
     const int nk = static_cast<int>(std::min<int64_t>(KT, key_end - kt0));
     const int next_nk = static_cast<int>(std::clamp<int64_t>(key_end - kt0 - KT, 0, KT));
@@ -757,8 +784,10 @@ void run_item(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scr
         qk_rows(w.q.data(), rows, g.dp, w.kt.data(), w.s.data());
       }
     }
-    for (int64_t r = 0; r < rows; ++r)        // causal: row r sees positions <= its own
+    for (int64_t r = 0; r < rows; ++r) {      // row r sees positions [its window's first, its own]
+      w.first[r] = static_cast<int>(std::clamp<int64_t>(w.lo[r] - kt0, 0, nk));
       w.valid[r] = static_cast<int>(std::clamp<int64_t>(w.pos[r] + 1 - kt0, 0, nk));
+    }
     softmax_update(w, rows);
     for (int64_t h = 0; h < (direct ? it.num_kv : 1); ++h) {
       const int64_t r0 = direct ? h * head_rows : 0, r1 = direct ? r0 + head_rows : rows;
@@ -786,6 +815,16 @@ void run_item(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scr
 // one item per kv head reads every row in strided pieces.
 inline bool is_direct(int64_t q_len, const Geometry& g) { return q_len * g.group <= RB && g.d == g.dp; }
 
+// Whether flash_attention takes a sequence's chunk of q_len tokens: one long enough, and no key of
+// its context hidden by the window (the last query's window starts at ctx - window). A chunk the
+// window cuts stays with the items: SDPA under an explicit mask computes every query against every
+// key from the first query's window start, q_len x (q_len + W - 1) products where the items compute
+// about W + one tile of keys per query, and for a prompt longer than its window (where a window
+// matters) that is more extra work than AMX's 1.5x (the header's numbers) wins back.
+inline bool to_flash(int64_t q_len, int64_t ctx, int64_t window, int64_t flash_min_tokens) {
+  return q_len >= flash_min_tokens && (window == 0 || ctx <= window);
+}
+
 struct Plan {
   std::vector<WorkItem> items;             // most expensive first
   std::vector<SplitGroup> groups;          // the split decodes
@@ -794,7 +833,8 @@ struct Plan {
 
 // A step of fewer decode items than 2 per thread (one sequence: its kv heads) leaves threads idle
 // while one reads the whole context: each such item is cut into parts of at least kMinSplitKeys
-// keys, whole tiles each, so that every thread has about two.
+// keys, whole tiles each, so that every thread has about two. The keys split are the item's, from
+// its key_begin (with a window: the window's).
 constexpr int64_t kMinSplitKeys = 64;
 
 void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, const Geometry& g, int64_t threads) {
@@ -802,15 +842,15 @@ void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, cons
   if (threads <= 1 || n == 0 || n >= 2 * threads) return;
   std::vector<WorkItem> items;
   for (const WorkItem& it : plan.items) {
-    const int64_t q_len = cu[it.seq + 1] - cu[it.seq], ctx = seqlens_k[it.seq];
-    const int64_t parts = std::min((2 * threads + n - 1) / n, ctx / kMinSplitKeys);
+    const int64_t q_len = cu[it.seq + 1] - cu[it.seq], ctx = seqlens_k[it.seq], keys = ctx - it.key_begin;
+    const int64_t parts = std::min((2 * threads + n - 1) / n, keys / kMinSplitKeys);
     if (!is_direct(q_len, g) || it.num_kv != 1 || parts < 2) {
       items.push_back(it);
       continue;
     }
-    const int64_t chunk = ((ctx + parts - 1) / parts + KT - 1) / KT * KT;
+    const int64_t chunk = ((keys + parts - 1) / parts + KT - 1) / KT * KT;
     SplitGroup grp{it.seq, it.kv_head, plan.num_parts, 0};
-    for (int64_t k0 = 0; k0 < ctx; k0 += chunk) {
+    for (int64_t k0 = it.key_begin; k0 < ctx; k0 += chunk) {
       const int64_t k1 = std::min(ctx, k0 + chunk);
       WorkItem part = it;
       part.key_begin = static_cast<int32_t>(k0);
@@ -825,11 +865,12 @@ void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, cons
   plan.items = std::move(items);
 }
 
-// Checks the metadata against the cache (a bad block id would read out of bounds) and cuts the
-// batch into work items, most expensive first.
+// Checks the metadata against the cache (a bad block id would read out of bounds; the blocks
+// before the window, never read, may be anything) and cuts the batch into work items, most
+// expensive first.
 Plan plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
                                  int64_t num_seqs, int64_t num_tokens, const Geometry& g, int64_t threads,
-                                 int64_t flash_min_tokens) {
+                                 int64_t window, int64_t flash_min_tokens) {
   TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == num_tokens,
               "cu_seqlens_q must run from 0 to the number of query tokens");
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / g.group);
@@ -844,24 +885,27 @@ Plan plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
     TORCH_CHECK(q_len <= ctx, "sequence ", i, ": ", q_len, " query tokens but a context of ", ctx);
     const int64_t nblk = (ctx + g.block_size - 1) / g.block_size;
     TORCH_CHECK(nblk <= g.max_blocks, "block_tables has fewer columns than sequence ", i, " needs");
-    for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t first_key = window_start(ctx - q_len, window);
+    for (int64_t b = first_key / g.block_size; b < nblk; ++b) {
       const int32_t blk = bt[i * g.max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < g.num_blocks, "sequence ", i, ": block id ", blk, " out of range");
     }
-    if (q_len >= flash_min_tokens) continue;     // flash_attention's
+    if (to_flash(q_len, ctx, window, flash_min_tokens)) continue;     // flash_attention's
     if (whole_rows && is_direct(q_len, g)) {
-      const int64_t cost = g.hkv * (q_len * g.group * ctx + 64 * g.group);
+      const int64_t kb = loop_start(first_key, g.block_size);
+      const int64_t cost = g.hkv * (q_len * g.group * (ctx - kb) + 64 * g.group);
       items.push_back({static_cast<int32_t>(i), 0, static_cast<int32_t>(g.hkv), 0,
-                       static_cast<int32_t>(q_len), cost});
+                       static_cast<int32_t>(q_len), cost, static_cast<int32_t>(kb)});
       continue;
     }
     for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
       const int64_t t1 = std::min(q_len, t0 + tile_tokens);
-      const int64_t keys = ctx - q_len + t1;
+      const int64_t kb = loop_start(window_start(ctx - q_len + t0, window), g.block_size);
+      const int64_t keys = ctx - q_len + t1 - kb;
       const int64_t cost = (t1 - t0) * g.group * keys + 64 * g.group;
       for (int64_t h = 0; h < g.hkv; ++h)
         items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(h), 1, static_cast<int32_t>(t0),
-                         static_cast<int32_t>(t1), cost});
+                         static_cast<int32_t>(t1), cost, static_cast<int32_t>(kb)});
     }
   }
   Plan plan{std::move(items)};
@@ -926,10 +970,10 @@ void flash_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const
 
 // q [T, Hq, D] (float32 or bfloat16), k_cache/v_cache [num_blocks, block_size, Hkv, D] (one dtype:
 // float32, bfloat16 or float16, widened to fp32 as read), cu_seqlens_q int32 [B+1], seqlens_k int32
-// [B], block_tables int32 [B, max_blocks] -> out [T, Hq, D] in q's dtype.
+// [B], block_tables int32 [B, max_blocks], window (keys, 0: none) -> out [T, Hq, D] in q's dtype.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor cu_seqlens_q, torch::Tensor seqlens_k,
-                              torch::Tensor block_tables, double scale) {
+                              torch::Tensor block_tables, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [T, Hq, D] and the cache [N, bs, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -944,6 +988,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d, "query head_dim ", d, " != cache head_dim ", k_cache.size(3));
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "num_heads ", hq, " is not a multiple of num_kv_heads ", hkv);
+  TORCH_CHECK(window >= 0, "window ", window, " < 0 (0: no window)");
 
   q = q.stride(2) == 1 ? q : q.contiguous();
   auto cu = cu_seqlens_q.contiguous();
@@ -955,20 +1000,21 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
              q.stride(0), q.stride(1), hkv * d};
   const int64_t flash_from = flash_min_tokens(q, k_cache);
   const Plan plan = plan_items(cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
-                               lens.size(0), q.size(0), g, at::get_num_threads(), flash_from);
+                               lens.size(0), q.size(0), g, at::get_num_threads(), window, flash_from);
   std::vector<float> part_o(plan.num_parts * RB * g.dp), part_m(plan.num_parts * RB), part_l(plan.num_parts * RB);
   const int32_t* c = cu.data_ptr<int32_t>();
   const int32_t* ctx = lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < lens.size(0); ++i) {      // what plan_items leaves out: rows with no keys, flash chunks
     if (ctx[i] == 0 && c[i + 1] > c[i]) out.narrow(0, c[i], c[i + 1] - c[i]).zero_();
-    else if (c[i + 1] - c[i] >= flash_from) flash_attention(q, k_cache, v_cache, bt[i], c[i], c[i + 1] - c[i], ctx[i], scale, out);
+    else if (to_flash(c[i + 1] - c[i], ctx[i], window, flash_from))
+      flash_attention(q, k_cache, v_cache, bt[i], c[i], c[i + 1] - c[i], ctx[i], scale, out);
   }
   auto run = [&](auto q_tag, auto cache_tag) {
     using T = decltype(q_tag);
     using C = decltype(cache_tag);
     Inputs<T, C> in{q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), out.data_ptr<T>(),
                     cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
-                    static_cast<float>(scale), part_o.data(), part_m.data(), part_l.data()};
+                    static_cast<float>(scale), window, part_o.data(), part_m.data(), part_l.data()};
     run_items(in, plan.items, g);
     combine_parts(in, plan.groups, g);
   };
@@ -1029,19 +1075,21 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 // layer instead of two, and Inductor can fuse the RoPE of q and k into one kernel before it).
 torch::Tensor write_kv_attention(torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                                  torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor cu_seqlens_q,
-                                 torch::Tensor seqlens_k, torch::Tensor block_tables, double scale) {
+                                 torch::Tensor seqlens_k, torch::Tensor block_tables, double scale,
+                                 int64_t window) {
   write_kv(key, value, k_cache, v_cache, slot_mapping);
-  return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale);
+  return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, window);
 }
 
 // The functions as dispatcher ops (kaiten_cpu::...), which a compiled graph calls without the
 // layers of a Python-defined op (about 15 us a call).
 TORCH_LIBRARY_FRAGMENT(kaiten_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seqlens_k, "
-        "Tensor block_tables, float scale) -> Tensor");
+        "Tensor block_tables, float scale, int window=0) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("write_kv_attention(Tensor q, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seqlens_k, Tensor block_tables, float scale) -> Tensor");
+        "Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seqlens_k, Tensor block_tables, float scale, "
+        "int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kaiten_cpu, CPU, m) {

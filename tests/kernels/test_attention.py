@@ -1,6 +1,7 @@
 """TorchAttention (kernels/torch_attention.py) against a dense scaled_dot_product_attention
 reference: GQA, head sizes, block sizes, boundary lengths, chunked prefill with a cached prefix,
-decode-only and mixed batches, shuffled block pools, write_kv skipping, fp32 and bf16."""
+decode-only and mixed batches, shuffled block pools, write_kv skipping, fp32 and bf16, sliding
+windows (and block-table entries before a window never read)."""
 from __future__ import annotations
 
 import math
@@ -101,26 +102,35 @@ class Case:
         backend.write_kv(k, v, self.k_cache, self.v_cache,
                          torch.tensor(self.write_slots, dtype=torch.int64))
 
-    def reference(self, scale):
+    def reference(self, scale, window=0):
         outs = []
         group = self.hq // self.hkv
         for i, (ql, ctx) in enumerate(self.specs):
             q = self.qs[i].double().transpose(0, 1)                              # [Hq, ql, D]
             k = self.keys[i].double().transpose(0, 1).repeat_interleave(group, 0)  # [Hq, ctx, D]
             v = self.values[i].double().transpose(0, 1).repeat_interleave(group, 0)
-            mask = torch.ones(ql, ctx, dtype=torch.bool).tril_(ctx - ql)
+            mask = visible(ql, ctx, window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             outs.append(o.transpose(0, 1))
         return torch.cat(outs)
 
 
-def run_case(case: Case, backend=None, scale=None):
+def visible(q_len, ctx, window=0):
+    """[q_len, ctx]: query j (at position ctx - q_len + j) sees key k: causal, and with a window W
+    only the W keys up to its own (transformers' kv_idx > q_idx - sliding_window)."""
+    pos = torch.arange(ctx - q_len, ctx)[:, None]
+    k = torch.arange(ctx)[None, :]
+    keep = k <= pos
+    return keep & (k > pos - window) if window else keep
+
+
+def run_case(case: Case, backend=None, scale=None, window=0):
     backend = backend or TorchAttention()
     scale = case.d ** -0.5 if scale is None else scale
     case.write(backend)
-    out = backend.attention(case.q, case.k_cache, case.v_cache, case.meta, scale)
+    out = backend.attention(case.q, case.k_cache, case.v_cache, case.meta, scale, window)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
-    ref = case.reference(scale)
+    ref = case.reference(scale, window)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, **TOL[case.dtype])
     return out
@@ -295,11 +305,11 @@ def test_plan_reused_across_layers_and_rebuilt_when_metadata_changes():
     specs = rand_specs(rng, n_decode=12, n_prefill=2, max_ctx=64, bs=16)
     a = Case(specs, 9, 3, 64, 16, torch.float32, 41, layout_seed=1)
     run_case(a, backend=be)
-    plan = be._plan
+    plan = be._plans[0]
     b = Case(specs, 9, 3, 64, 16, torch.float32, 42, layout_seed=1)  # layer 2: other data
     b.meta = a.meta
     run_case(b, backend=be)
-    assert be._plan is plan
+    assert be._plans[0] is plan
     # same lengths, other block tables, written into the same tensor objects in place
     c = Case(specs, 9, 3, 64, 16, torch.float32, 43, layout_seed=2)
     assert not torch.equal(c.meta.block_tables, a.meta.block_tables)
@@ -307,10 +317,10 @@ def test_plan_reused_across_layers_and_rebuilt_when_metadata_changes():
     a.meta.slot_mapping = c.meta.slot_mapping
     c.meta = a.meta
     run_case(c, backend=be)
-    assert be._plan is not plan
-    again = be._plan
+    assert be._plans[0] is not plan
+    again = be._plans[0]
     run_case(c, backend=be)
-    assert be._plan is again
+    assert be._plans[0] is again
 
 
 def test_inside_and_outside_inference_mode():
@@ -330,6 +340,98 @@ def test_q_dtype_differs_from_cache():
     out = TorchAttention().attention(case.q.float(), case.k_cache, case.v_cache, case.meta, 0.125)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), case.reference(0.125), **TOL[torch.bfloat16])
+
+
+# ----------------------------------------------------------------------------- sliding window
+# 1: a query sees itself alone; 7: windows starting mid-block; 16 and 32: on block boundaries of
+# a context a multiple of 16 long; 10_000: longer than every context (no window).
+WINDOWS = [1, 7, 16, 32, 10_000]
+WINDOW_SPECS = [(1, 48), (1, 50), (1, 16), (1, 3), (4, 60), (20, 70), (33, 33), (2, 17)]
+
+
+def blocks_before_windows(meta, window, block_size):
+    """(row, column) of every block-table entry wholly before its sequence's first query's window."""
+    out = []
+    for i, (ql, ctx) in enumerate(zip(meta.seqlens_q_list, meta.seqlens_k_list)):
+        first_key = max(0, ctx - ql - window + 1)
+        out += [(i, b) for b in range(first_key // block_size)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bs", [1, 16])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+def test_sliding_window_mixed_batch(hq, hkv, bs, dtype):
+    """Decodes and prefill chunks over cached prefixes, in one batch, under every window."""
+    seed = seed_of(hq, hkv, bs, str(dtype), "window")
+    rng = random.Random(seed)
+    specs = rand_specs(rng, n_decode=rng.randint(4, 12), n_prefill=rng.randint(1, 3), max_ctx=100, bs=bs)
+    case = Case(specs + WINDOW_SPECS, hq, hkv, 64, bs, dtype, seed, pad_slots=2)
+    be = TorchAttention()
+    for window in WINDOWS:
+        run_case(case, backend=be, window=window)
+
+
+def test_sliding_window_decode_groups_regardless_of_grouping_params():
+    rng = random.Random(8)
+    specs = rand_specs(rng, n_decode=40, n_prefill=2, max_ctx=300, bs=16)
+    for backend in (TorchAttention(group_max_seqs=1), TorchAttention(group_max_seqs=10**6,
+                    group_min_fill=0.0, group_max_tokens=10**9), TorchAttention(group_max_tokens=16)):
+        for window in (1, 40, 128):
+            run_case(Case(specs, 9, 3, 64, 16, torch.float32, 8), backend=backend, window=window)
+
+
+def test_window_longer_than_every_context_is_no_window():
+    case = Case(WINDOW_SPECS, 9, 3, 64, 16, torch.float32, 9)
+    be = TorchAttention()
+    assert torch.equal(run_case(case, backend=be, window=70), run_case(case, backend=be))
+
+
+@pytest.mark.parametrize("stale", ["out_of_range", "minus_one", "nan_block"])
+def test_blocks_before_the_window_are_never_read(stale):
+    """The entries of blocks wholly before a sequence's window may name a released block: point
+    them past the pool, at -1, or at a NaN block, and the output stays the same."""
+    specs = WINDOW_SPECS + [(1, 200), (5, 180), (1, 97)]
+    case = Case(specs, 9, 3, 64, 16, torch.float32, 10, extra_blocks=1)
+    window = 24
+    be = TorchAttention()
+    want = run_case(case, backend=be, window=window)
+    entries = blocks_before_windows(case.meta, window, 16)
+    assert len(entries) > 10
+    if stale == "nan_block":
+        value = next(b for b in range(case.k_cache.shape[0]) if all(b not in t for t in case.tables))
+        case.k_cache[value] = float("nan")
+        case.v_cache[value] = float("nan")
+    else:
+        value = {"out_of_range": case.k_cache.shape[0] + 5, "minus_one": -1}[stale]
+    for i, b in entries:
+        case.meta.block_tables[i, b] = value
+    got = be.attention(case.q, case.k_cache, case.v_cache, case.meta, case.d ** -0.5, window)
+    assert torch.equal(got, want)
+
+
+def test_compiled_forwards_op_takes_the_window():
+    """The compiled model's kaiten::paged_attention (OpAttention, for backends torch.compile cannot
+    trace) forwards the window, as its trailing int argument (0 by default), fake kernel included."""
+    from engine_worker.model.compiled_forward import OpAttention
+    case = Case(WINDOW_SPECS, 9, 3, 64, 16, torch.float32, 12)
+    case.write(TorchAttention())
+    be = TorchAttention()
+    for window in (0, 1, 20):
+        want = be.attention(case.q, case.k_cache, case.v_cache, case.meta, 0.125, window)
+        got = OpAttention("torch").attention(case.q, case.k_cache, case.v_cache, case.meta, 0.125, window)
+        assert torch.equal(got, want)
+    op = torch.ops.kaiten.paged_attention.default
+    assert op._schema.arguments[-1].name == "window" and op._schema.arguments[-1].default_value == 0
+    args = (case.q, case.k_cache, case.v_cache, case.meta.cu_seqlens_q, case.meta.seqlens_k,
+            case.meta.block_tables, 0.125, "torch")
+    torch.library.opcheck(op, args, {"window": 20}, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_negative_window_is_rejected():
+    case = Case([(1, 5)], 4, 4, 16, 16, torch.float32, 11)
+    with pytest.raises(ValueError, match="window"):
+        TorchAttention().attention(case.q, case.k_cache, case.v_cache, case.meta, 0.25, -1)
 
 
 def test_registry_returns_torch_backend():

@@ -1,8 +1,9 @@
 """CppAttention (kernels/cpu_attention.py, the fused C++ kernel) against a dense causal attention
 computed in fp32 per sequence: decodes, prefill chunks over a cached prefix, full prefills, mixed
 batches; GQA groups 1/3/4, block sizes 16 and 1, head_dim 64/16/24 (and 32/96/128 in bf16),
-shuffled block pools, fp32 and bf16, and fp16 or bf16 caches under fp32 or bf16 queries. Every cache slot the batch does not own holds NaN, so a read
-of one shows in the output."""
+shuffled block pools, fp32 and bf16, and fp16 or bf16 caches under fp32 or bf16 queries; the same
+under sliding windows, whose blocks before the window may be anything. Every cache slot the batch
+does not own holds NaN, so a read of one shows in the output."""
 from __future__ import annotations
 
 import math
@@ -65,9 +66,10 @@ def make_batch(specs, hq, hkv, d, bs, dtype, seed, extra_blocks=3, cache_dtype=N
     return q, k_cache, v_cache, meta, keys, values
 
 
-def dense_reference(q, keys, values, specs, scale):
+def dense_reference(q, keys, values, specs, scale, window=0):
     """fp32 causal attention per sequence; query j of a (q_len, ctx) sequence sees keys
-    0..ctx - q_len + j. GQA by repeating each kv head for its group of query heads."""
+    0..ctx - q_len + j, and with a window W only the last W of them. GQA by repeating each kv head
+    for its group of query heads."""
     out, start = [], 0
     hq = q.shape[1]
     for (ql, ctx), k, v in zip(specs, keys, values):
@@ -76,7 +78,10 @@ def dense_reference(q, keys, values, specs, scale):
         k = k.float().repeat_interleave(group, dim=1)
         v = v.float().repeat_interleave(group, dim=1)
         s = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        visible = torch.arange(ctx)[None, :] <= (ctx - ql + torch.arange(ql))[:, None]
+        pos = (ctx - ql + torch.arange(ql))[:, None]
+        visible = torch.arange(ctx)[None, :] <= pos
+        if window:
+            visible &= torch.arange(ctx)[None, :] > pos - window
         s = s.masked_fill(~visible, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
         start += ql
@@ -94,14 +99,15 @@ BATCHES = {
 HEADS = [(4, 4), (9, 3), (8, 2)]     # GQA groups 1, 3, 4
 
 
-def check(backend, specs, hq, hkv, d, bs, dtype, seed=None, cache_dtype=None):
+def check(backend, specs, hq, hkv, d, bs, dtype, seed=None, cache_dtype=None, windows=(0,)):
     seed = zlib.crc32(repr((specs, hq, hkv, d, bs, str(dtype))).encode()) if seed is None else seed
     q, kc, vc, meta, keys, values = make_batch(specs, hq, hkv, d, bs, dtype, seed, cache_dtype=cache_dtype)
     scale = d ** -0.5
-    got = backend.attention(q, kc, vc, meta, scale)
-    assert got.shape == q.shape and got.dtype == q.dtype
-    want = dense_reference(q, keys, values, specs, scale)
-    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    for window in windows:
+        got = backend.attention(q, kc, vc, meta, scale, window)
+        assert got.shape == q.shape and got.dtype == q.dtype
+        want = dense_reference(q, keys, values, specs, scale, window)
+        torch.testing.assert_close(got.float(), want, **TOL[dtype], msg=lambda m: f"window {window}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -297,6 +303,8 @@ def test_registry_and_custom_op(backend):
     q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=5)
     got = paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, 0.125, "cpu")
     torch.testing.assert_close(got, dense_reference(q, keys, values, specs, 0.125), **TOL[torch.float32])
+    got = paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, 0.125, "cpu", 6)
+    torch.testing.assert_close(got, dense_reference(q, keys, values, specs, 0.125, 6), **TOL[torch.float32])
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(backend):
@@ -337,6 +345,129 @@ def test_checkouts_of_the_same_kernels_share_one_build(backend, tmp_path):
                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert other.returncode == 0, other.stderr[-2000:]
     assert other.stdout.strip() not in built.parent.name
+
+
+# ----------------------------------------------------------------------------- sliding window
+# 1: a query sees itself alone; 7: windows starting mid-block; 16 and 32: on block boundaries
+# (block size 16, contexts a multiple of 16 long); 64: past a tile of the items; 10_000: longer
+# than every context (no window).
+WINDOWS = (1, 7, 16, 32, 64, 10_000)
+WINDOW_BATCHES = {
+    **BATCHES,
+    # decodes at block boundaries, and 2-4 query tokens (speculative verification) over a prefix
+    "window_edges": [(1, 48), (1, 50), (1, 16), (4, 60), (20, 70), (33, 33), (2, 17), (3, 64), (1, 129)],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("batch", list(WINDOW_BATCHES))
+def test_sliding_window_against_dense(backend, batch, heads, bs, dtype):
+    check(backend, WINDOW_BATCHES[batch], *heads, 64, bs, dtype, windows=WINDOWS)
+
+
+@pytest.mark.parametrize("d", [32, 128])
+@pytest.mark.parametrize("batch", ["decode", "window_edges", "long_chunks"])
+def test_sliding_window_bf16_head_dims_in_chunks_of_32(backend, batch, d):
+    """The bf16 dot products (AVX512-BF16) of decodes and prefill tiles, under windows."""
+    check(backend, WINDOW_BATCHES[batch], 8, 2, d, 16, torch.bfloat16, windows=WINDOWS)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", ["window_edges", "long_chunks"])
+def test_sliding_window_a_16_bit_cache(backend, batch, dtype, cache_dtype):
+    check(backend, WINDOW_BATCHES[batch], 9, 3, 64, 16, dtype, cache_dtype=cache_dtype, windows=WINDOWS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("heads,specs", [
+    ((9, 3), [(1, 1000)]), ((8, 2), [(1, 700), (1, 64)]), ((4, 4), [(3, 257)]), ((4, 4), [(4, 300)])],
+    ids=["one-long", "two", "mha-3-tokens", "mha-4-tokens"])
+def test_sliding_window_decodes_split_over_the_window(backend, dtype, bs, heads, specs):
+    """One long decode on 2 threads splits its window's keys (not its context's) into parts: the
+    result matches the dense one and the serial run's, for windows of a few parts and of one."""
+    q, kc, vc, meta, keys, values = make_batch(specs, *heads, 64, bs, dtype, seed=bs + len(specs))
+    for window in (1, 40, 130, 333):
+        serial, split = serial_and_threaded(lambda: backend.attention(q, kc, vc, meta, 0.125, window), 2)
+        want = dense_reference(q, keys, values, specs, 0.125, window)
+        torch.testing.assert_close(split.float(), want, **TOL[dtype])
+        torch.testing.assert_close(split, serial, **TOL[dtype])
+
+
+def blocks_before_windows(meta, window, bs):
+    """(row, column) of every block-table entry wholly before its sequence's first query's window."""
+    return [(i, b) for i, (ql, ctx) in enumerate(zip(meta.seqlens_q_list, meta.seqlens_k_list))
+            for b in range(max(0, ctx - ql - window + 1) // bs)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stale", ["nan_blocks", "out_of_range", "minus_one"])
+def test_blocks_before_the_window_are_never_read(backend, stale, dtype, threads):
+    """The blocks wholly before a sequence's window may be released and reused: fill them with NaN,
+    or point their entries past the pool or at -1 (which the kernel would reject if it looked),
+    and the output keeps its bits; one sequence alone (split on 2 threads) and a mixed batch."""
+    for specs in ([(1, 1000)], WINDOW_BATCHES["window_edges"] + [(1, 300), (70, 300), (9, 200)]):
+        q, kc, vc, meta, _, _ = make_batch(specs, 9, 3, 64, 5, dtype, seed=len(specs))
+        for window in (1, 24, 100):
+            run = lambda: backend.attention(q, kc, vc, meta, 0.125, window)   # noqa: E731
+            want = serial_and_threaded(run, threads)[1]
+            entries = blocks_before_windows(meta, window, 5)
+            assert entries
+            table, k_before, v_before = meta.block_tables.clone(), kc.clone(), vc.clone()
+            for i, b in entries:
+                if stale == "nan_blocks":
+                    kc[table[i, b]] = float("nan")
+                    vc[table[i, b]] = float("nan")
+                else:
+                    meta.block_tables[i, b] = kc.shape[0] + 7 if stale == "out_of_range" else -1
+            assert torch.equal(serial_and_threaded(run, threads)[1], want)
+            meta.block_tables.copy_(table)
+            kc.copy_(k_before)
+            vc.copy_(v_before)
+
+
+def test_window_longer_than_the_context_is_no_window(backend):
+    specs = WINDOW_BATCHES["mixed"]
+    q, kc, vc, meta, _, _ = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=4)
+    assert torch.equal(backend.attention(q, kc, vc, meta, 0.125, max(c for _, c in specs)),
+                       backend.attention(q, kc, vc, meta, 0.125))
+
+
+def test_sliding_window_parallel_matches_serial(backend):
+    specs = [(1, 30 + 37 * i) for i in range(24)] + [(96, 300), (128, 128)]
+    q, kc, vc, meta, keys, values = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=3)
+    serial, parallel = serial_and_threaded(lambda: backend.attention(q, kc, vc, meta, 0.125, 50), 2)
+    assert torch.equal(serial, parallel)
+    torch.testing.assert_close(parallel, dense_reference(q, keys, values, specs, 0.125, 50), **TOL[torch.float32])
+
+
+def test_sliding_window_write_kv_and_attention_and_op_schemas(backend):
+    """The fused op takes the window as the two calls do; both ops' schemas (and fake kernels,
+    through opcheck) take it as a trailing int, 0 by default; a negative one is rejected."""
+    from kernels.interface import TwoCalls
+    specs = [(1, 40), (7, 30), (1, 17)]
+    q, kc, vc, meta, _, _ = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=12)
+    bs = 16
+    slots = [int(meta.block_tables[i, p // bs]) * bs + p % bs for i, (ql, ctx) in enumerate(specs)
+             for p in range(ctx - ql, ctx)]
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    key, value = torch.randn(len(slots), 3, 64), torch.randn(len(slots), 3, 64)
+    fused_k, fused_v = kc.clone(), vc.clone()
+    got = backend.write_kv_and_attention(q, key, value, fused_k, fused_v, meta, 0.125, 9)
+    want = TwoCalls.write_kv_and_attention(backend, q, key, value, kc, vc, meta, 0.125, 9)
+    assert torch.equal(got, want)
+    ops = torch.ops.kaiten_cpu
+    for op in (ops.paged_attention.default, ops.write_kv_attention.default):
+        assert op._schema.arguments[-1].name == "window" and op._schema.arguments[-1].default_value == 0
+    args = (q, kc.nan_to_num(), vc.nan_to_num(), meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, 0.125)
+    torch.library.opcheck(ops.paged_attention.default, args, {"window": 9},
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="window"):
+        ops.paged_attention(*args, -1)
 
 
 @pytest.mark.slow

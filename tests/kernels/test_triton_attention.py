@@ -14,6 +14,8 @@ never written, or a stale block, poisons the result); K/V are written through wr
 -1 padding slots (the cache must then equal a torch-indexed copy exactly); the output is
 preallocated as NaN and every element must be written; the reference is a dense
 scaled_dot_product_attention per sequence on the original K/V (not read back from the cache).
+Cases with a sliding window also fill the blocks wholly before each sequence's window with NaN
+once K/V are written: the kernels must not read them.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class Case:
     dispatch: str = "auto"       # "auto" (attention()), or force "prefill" on any batch
     host_lists: bool = True      # fill meta.seqlens_q_list / seqlens_k_list
     padded_rows: int = 0         # CUDA-graph style dummy rows: q_len 1, empty context, slot -1
+    window: int = 0              # sliding window (0: none); the blocks before it are NaN-filled
 
     @property
     def group(self) -> int:
@@ -91,6 +94,27 @@ CASES = [
     Case("odd_shapes_g3_d48_bs12", 3, 1, 48, 12, [(13, 11), (0, 1), (24, 1)], backend=SMALL, seed=11),
     Case("decode_odd_shapes_g3_d48_bs12", 3, 1, 48, 12, [(13, 1), (0, 1), (23, 1)],
          backend=dict(SMALL, decode_splits=2), seed=12),
+    # sliding windows: starting mid-block and on block boundaries (47 + 1 - 16 = 32), of one key,
+    # longer than every context; decodes split over the window's tiles; prefill chunks over a
+    # cached prefix whose rows' windows start in different tiles; odd shapes
+    Case("window_decode_g3_d32_bs16_split3", 6, 2, 32, 16,
+         [(0, 1), (15, 1), (16, 1), (47, 1), (99, 1), (64, 1), (200, 1)],
+         backend=dict(SMALL, decode_splits=3), padded_rows=1, window=16, seed=60),
+    Case("window_decode_g1_d64_bs16_defaults", 2, 2, 64, 16, [(300, 1), (20, 1), (130, 1)],
+         backend=dict(decode_splits=4), window=70, seed=61),
+    Case("window_chunked_g3_d32_bs16", 6, 2, 32, 16,
+         [(16, 7), (33, 20), (5, 1), (0, 29), (47, 2), (60, 3), (0, 70)],
+         backend=SMALL, window=13, seed=62),
+    Case("window1_mixed_g3_d32_bs16", 3, 1, 32, 16, [(1, 1), (20, 13), (47, 1), (40, 40)],
+         backend=SMALL, window=1, seed=63),
+    Case("window_mixed_g3_d64_bs32_defaults", 6, 2, 64, 32,
+         [(0, 23), (40, 1), (63, 1), (31, 34), (64, 1), (100, 90)], window=40, seed=64),
+    Case("window_mixed_g3_d32_bs16_all_in_prefill_kernel", 3, 1, 32, 16, [(16, 1), (3, 18), (32, 1), (50, 4)],
+         backend=dict(SMALL, split_mixed=False), window=17, padded_rows=1, seed=65),
+    Case("window_longer_than_contexts_g3_d32_bs16", 6, 2, 32, 16, [(16, 7), (33, 1), (0, 29)],
+         backend=SMALL, window=1000, seed=66),
+    Case("window_odd_shapes_g3_d48_bs12", 3, 1, 48, 12, [(30, 11), (0, 1), (40, 1)],
+         backend=dict(SMALL, decode_splits=2), window=14, seed=67),
 ]
 
 
@@ -179,7 +203,8 @@ def build_case(case: Case, device="cpu", dtype=torch.float32, cache_fill=float("
 
 
 def reference(case: Case, data) -> torch.Tensor:
-    """Dense causal SDPA per sequence in fp32 on CPU (bottom-right aligned causal mask)."""
+    """Dense causal SDPA per sequence in fp32 on CPU (bottom-right aligned causal mask; with a
+    window W, query position p sees keys p - W < k <= p)."""
     q = data["q"].float().cpu()
     outs = []
     start = 0
@@ -188,12 +213,26 @@ def reference(case: Case, data) -> torch.Tensor:
         qi = q[start:start + n].transpose(0, 1)                       # [H, n, D]
         k = data["k_full"][i].float().repeat_interleave(case.group, dim=1).transpose(0, 1)
         v = data["v_full"][i].float().repeat_interleave(case.group, dim=1).transpose(0, 1)
-        mask = torch.arange(L)[None, :] <= (c + torch.arange(n))[:, None]
+        pos = (c + torch.arange(n))[:, None]
+        mask = torch.arange(L)[None, :] <= pos
+        if case.window:
+            mask &= torch.arange(L)[None, :] > pos - case.window
         outs.append(F.scaled_dot_product_attention(qi, k, v, attn_mask=mask,
                                                    scale=data["scale"]).transpose(0, 1))
         start += n
     outs.append(torch.zeros(case.padded_rows, case.num_heads, case.head_dim))  # empty context
     return torch.cat(outs)
+
+
+def poison_before_windows(case: Case, data) -> int:
+    """NaN into every block wholly before its sequence's first query's window; returns how many."""
+    tables, bs, n = data["meta"].block_tables.cpu(), case.block_size, 0
+    for i, (c, _) in enumerate(case.seqs):
+        for b in range(max(0, c - case.window + 1) // bs):
+            data["k_cache"][int(tables[i, b])] = float("nan")
+            data["v_cache"][int(tables[i, b])] = float("nan")
+            n += 1
+    return n
 
 
 def run_case(backend, case: Case, data) -> dict:
@@ -207,14 +246,15 @@ def run_case(backend, case: Case, data) -> dict:
             raise AssertionError(f"write_kv: {which} cache written at the wrong slots")
         if exact and not torch.equal(torch.nan_to_num(got), torch.nan_to_num(want.to(got.dtype))):
             raise AssertionError(f"write_kv: wrong {which} cache contents")
+    poisoned = poison_before_windows(case, data) if case.window else 0
 
     q, meta = data["q"], data["meta"]
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     if case.dispatch == "prefill":
-        backend.prefill(q, data["k_cache"], data["v_cache"], meta, data["scale"], out)
+        backend.prefill(q, data["k_cache"], data["v_cache"], meta, data["scale"], out, window=case.window)
         ret = out
     else:
-        ret = backend.attention(q, data["k_cache"], data["v_cache"], meta, data["scale"], out=out)
+        ret = backend.attention(q, data["k_cache"], data["v_cache"], meta, data["scale"], case.window, out=out)
     if ret.data_ptr() != out.data_ptr():
         raise AssertionError("attention(out=...) did not return the given tensor")
     out = out.float().cpu()
@@ -223,7 +263,7 @@ def run_case(backend, case: Case, data) -> dict:
         raise AssertionError(f"{unwritten} of {out.numel()} output elements not written (NaN)")
     ref = reference(case, data)
     rel = ((out - ref).norm() / ref.norm()).item()
-    return {"rel_err": rel, "shape": list(out.shape)}
+    return {"rel_err": rel, "shape": list(out.shape), "poisoned_blocks": poisoned}
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +318,18 @@ def test_cases_cover_the_matrix():
     assert any(all(n == 1 for _, n in c.seqs) for c in CASES)                     # decode-only
     assert any(any(n > 1 and k > 0 for k, n in c.seqs) for c in CASES)           # cached prefix
     assert any(len({n == 1 for _, n in c.seqs}) == 2 for c in CASES)             # mixed
+    windowed = [c for c in CASES if c.window]
+    assert {1, 1000} <= {c.window for c in windowed}
+    assert any(c.backend.get("decode_splits", 1) > 1 for c in windowed)
+    assert any(any(n > 1 and k > 0 for k, n in c.seqs) for c in windowed)
+
+
+def test_window_cases_poison_blocks(interp_results):
+    """The window cases do NaN-fill blocks before their windows (but the one longer than every
+    context, which has none)."""
+    for case in CASES:
+        if case.window and case.window < 1000:
+            assert interp_results[case.name].get("poisoned_blocks", 0) > 0, case.name
 
 
 def test_backend_registry_and_flash_attn_import_error():
@@ -304,19 +356,26 @@ def test_backend_registry_and_flash_attn_import_error():
 
 def _fake_flash_attn(calls: list):
     """A stand-in `flash_attn` module with flash-attn 2.8's signatures and documented semantics
-    (paged cache through block_table, causal mask aligned bottom-right), dense torch inside.
-    It checks FlashAttention's glue (argument names, shapes, cu_seqlens_k, dispatch) on CPU."""
+    (paged cache through block_table, causal mask aligned bottom-right, window_size=(left, right)
+    keys around each query's diagonal, -1 unbounded, keys read from the first query's window on),
+    dense torch inside. It checks FlashAttention's glue (argument names, shapes, cu_seqlens_k,
+    dispatch) on CPU."""
     import types
 
-    def dense(q, k_cache, v_cache, table, L, scale):          # q [n, H, D] of one sequence
+    def dense(q, k_cache, v_cache, table, L, scale, window_size):   # q [n, H, D] of one sequence
         bs = k_cache.shape[1]
-        pos = torch.arange(L)
+        n, left = q.shape[0], window_size[0]
+        assert window_size[1] in (0, -1)          # the right side: causal
+        first = max(0, L - n - left) if left >= 0 else 0
+        pos = torch.arange(first, L)
         blk = table[pos // bs].long()
         k, v = k_cache[blk, pos % bs].float(), v_cache[blk, pos % bs].float()
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, 1).transpose(0, 1), v.repeat_interleave(g, 1).transpose(0, 1)
-        n = q.shape[0]
-        mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+        qpos = (L - n + torch.arange(n))[:, None]
+        mask = pos[None, :] <= qpos
+        if left >= 0:
+            mask &= pos[None, :] >= qpos - left
         return F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask,
                                               scale=scale).transpose(0, 1).to(q.dtype)
 
@@ -330,7 +389,7 @@ def _fake_flash_attn(calls: list):
         assert q.dim() == 4 and k is None and causal and k_cache.shape[1] % 256 == 0
         assert block_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32
         return torch.stack([dense(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]),
-                                  softmax_scale) for b in range(q.shape[0])])
+                                  softmax_scale, window_size) for b in range(q.shape[0])])
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, causal=False,
@@ -341,7 +400,7 @@ def _fake_flash_attn(calls: list):
         assert max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         assert max_seqlen_k == int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
         outs = [dense(q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]], k, v, block_table[b],
-                      int(cu_seqlens_k[b + 1] - cu_seqlens_k[b]), softmax_scale)
+                      int(cu_seqlens_k[b + 1] - cu_seqlens_k[b]), softmax_scale, window_size)
                 for b in range(cu_seqlens_q.shape[0] - 1)]
         return torch.cat(outs)
 
@@ -351,19 +410,25 @@ def _fake_flash_attn(calls: list):
     return mod
 
 
-@pytest.mark.parametrize("seqs,path", [
-    ([(0, 1), (255, 1), (256, 1), (300, 1)], "with_kvcache"),
-    ([(0, 30), (255, 1), (250, 9), (0, 1)], "varlen"),
-], ids=["decode", "mixed"])
-def test_flash_attention_glue_with_fake_module(monkeypatch, seqs, path):
+@pytest.mark.parametrize("seqs,path,window", [
+    ([(0, 1), (255, 1), (256, 1), (300, 1)], "with_kvcache", 0),
+    ([(0, 30), (255, 1), (250, 9), (0, 1)], "varlen", 0),
+    ([(0, 1), (600, 1), (256, 1), (300, 1)], "with_kvcache", 100),
+    ([(0, 30), (600, 9), (250, 9), (0, 1), (300, 300)], "varlen", 100),
+    ([(600, 1), (300, 9)], "varlen", 1),
+], ids=["decode", "mixed", "decode-window", "mixed-window", "window-1"])
+def test_flash_attention_glue_with_fake_module(monkeypatch, seqs, path, window):
+    """Also: a window reaches both functions as window_size=(W - 1, 0) (the blocks before it are
+    NaN-filled, and the fake reads from the window on, as flash-attn does)."""
     calls: list[str] = []
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(calls))
     from kernels.flash_attention import FlashAttention
-    case = Case("fa_glue", 6, 2, 32, FlashAttention.REQUIRED_BLOCK_SIZE, seqs, seed=50)
+    case = Case("fa_glue", 6, 2, 32, FlashAttention.REQUIRED_BLOCK_SIZE, seqs, seed=50, window=window)
     data = build_case(case, dtype=torch.bfloat16, cache_fill=100.0)
     res = run_case(FlashAttention(), case, data)
     assert calls == [path]
     assert res["rel_err"] < 2e-2, res
+    assert not window or res["poisoned_blocks"], res
 
 
 def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -406,8 +471,9 @@ def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_kernels_build_for_h100_without_spills():
     """The real (non-interpreted) GPU build of every kernel at the bf16 defaults for a Llama-like
-    shape (32 heads, 8 KV heads, head_dim 128, block 16): compiles for sm_90, no register spills.
-    The interpreter does not catch what only the compiler rejects; this runs without a GPU."""
+    shape (32 heads, 8 KV heads, head_dim 128, block 16), with and without a sliding window:
+    compiles for sm_90, no register spills. The interpreter does not catch what only the compiler
+    rejects; this runs without a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 is set in this process")
     pytest.importorskip("triton")
@@ -422,15 +488,18 @@ def test_kernels_build_for_h100_without_spills():
                   block_tables=i32, qk_scale=0.1, stride_qt=(H + 2 * Hkv) * D, stride_qh=D,
                   stride_qd=1, stride_ot=H * D, stride_oh=D, stride_od=1, stride_bt=37, **cache)
     bm, bn, warps, stages = ta._prefill_config(2, D)
-    built = {"prefill": _compile_sm90(
-        ta._prefill_kernel, dict(common, num_seqs=7),
-        dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_M=bm, BLOCK_Q=bm // (H // Hkv),
-             BLOCK_N=bn, BLOCK_D=D, SKIP_DECODE=True, DOT_PRECISION=None), warps, stages)}
     dbn, dwarps, dstages = ta._decode_config(2, D)
-    built["decode"] = _compile_sm90(
-        ta._decode_kernel, dict(common, O_part=f32, LSE_part=f32, num_splits=5),
-        dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_G=16, BLOCK_N=dbn, BLOCK_D=D, SPLIT=True,
-             DOT_PRECISION=None), dwarps, dstages)
+    built = {}
+    for sliding, window in ((False, 0), (True, 4096)):
+        name = "_sliding" if sliding else ""
+        built["prefill" + name] = _compile_sm90(
+            ta._prefill_kernel, dict(common, num_seqs=7, window=window),
+            dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_M=bm, BLOCK_Q=bm // (H // Hkv),
+                 BLOCK_N=bn, BLOCK_D=D, SKIP_DECODE=True, SLIDING=sliding, DOT_PRECISION=None), warps, stages)
+        built["decode" + name] = _compile_sm90(
+            ta._decode_kernel, dict(common, O_part=f32, LSE_part=f32, num_splits=5, window=window),
+            dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_G=16, BLOCK_N=dbn, BLOCK_D=D, SPLIT=True,
+                 SLIDING=sliding, DOT_PRECISION=None), dwarps, dstages)
     built["reduce"] = _compile_sm90(
         ta._decode_reduce_kernel, dict(O=bf, O_part=f32, LSE_part=f32, cu_seqlens_q=i32,
                                        num_splits=5, stride_ot=H * D, stride_oh=D, stride_od=1),
@@ -482,6 +551,9 @@ FA_CASES = [
     Case("fa_decode_g4_d128", 32, 8, 128, 256, [(0, 1), (255, 1), (256, 1), (1000, 1)], seed=30),
     Case("fa_mixed_g4_d128", 32, 8, 128, 256, [(0, 300), (700, 1), (255, 40), (256, 1)], seed=31),
     Case("fa_chunked_g1_d64", 4, 4, 64, 256, [(300, 129), (0, 1), (511, 2)], seed=32),
+    Case("fa_window_mixed_g4_d128", 32, 8, 128, 256, [(0, 300), (700, 1), (255, 40), (900, 20)],
+         window=200, seed=33),
+    Case("fa_window_decode_g4_d128", 32, 8, 128, 256, [(1000, 1), (5, 1), (513, 1)], window=256, seed=34),
 ]
 
 
