@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import hashlib
 import logging
 import os
 import threading
@@ -133,8 +134,19 @@ def inductor_cache_dir() -> Path:
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path.home() / ".cache" / "kaiten" / "inductor")
 
 
+def ops_schema_tag() -> str:
+    """A digest of every kaiten:: and kaiten_cpu:: op's schema. Inductor's graph cache keys a graph
+    by its code, in which a call that leaves an argument at its default reads the same under an
+    older schema without it: compiled code for the old schema would be loaded and call the op
+    with too few arguments (a segmentation fault). The tag is part of every key."""
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith(("kaiten::", "kaiten_cpu::")))
+    schemas = "\n".join(str(s) for n in names for s in torch._C._jit_get_schemas_for_operator(n))
+    return "kaiten-ops-" + hashlib.sha1(schemas.encode()).hexdigest()[:12]
+
+
 def configure_inductor() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    torch.compiler.config.cache_key_tag = ops_schema_tag()
     import torch._inductor.config as inductor_config
     inductor_config.fx_graph_cache = True
     inductor_config.autotune_local_cache = True

@@ -282,3 +282,19 @@ def test_kv_cache_dtype_flag_reaches_the_engine():
     assert "--kv-cache-dtype" not in child_args(args, "gateway")
     ecfg, _ = configs_from_args(build_parser().parse_args(["--kv-cache-dtype", "float16"]), resolve_model=False)
     assert ecfg.kv_cache_dtype == "float16"
+
+
+def test_inductor_cache_keys_change_with_an_op_schema():
+    """A changed op schema (an argument added with a default, as the attention ops' window was)
+    changes every Inductor cache key, so compiled code for the old schema is never loaded."""
+    from engine_worker.model.compiled_forward import configure_inductor, ops_schema_tag
+    configure_inductor()
+    before = torch.compiler.config.cache_key_tag
+    assert before == ops_schema_tag()
+    lib = torch.library.Library("kaiten", "FRAGMENT")
+    try:
+        lib.define("schema_tag_probe(Tensor x, int extra=0) -> Tensor")
+        assert ops_schema_tag() != before
+    finally:
+        lib._destroy()
+    assert ops_schema_tag() == before

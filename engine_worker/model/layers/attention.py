@@ -44,6 +44,5 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_cache, v_cache = kv_cache
-        window = (self.window,) if self.window else ()
-        out = backend.write_kv_and_attention(q, k, v, k_cache, v_cache, meta, self.scale, *window)
+        out = backend.write_kv_and_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         return project(self.o_proj, out.reshape(-1, self.q_size), self, "o", lora)
