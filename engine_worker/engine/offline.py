@@ -42,7 +42,9 @@ class LLM:
         return self._tokenizer
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
+        """A text prompt's ids with the tokenizer's special tokens (Gemma's and Llama 3's BOS), as
+        vLLM's LLM and its completions API encode a prompt; token ids as given."""
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
