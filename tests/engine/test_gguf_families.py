@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shared import gguf_quant
-from shared.gguf_convert import QUANTIZED_FILE, convert_gguf, ensure_default_model
+from shared.gguf_convert import QUANTIZED_FILE, convert_gguf
 from shared.gguf_families import FAMILIES as CONVERTED, Source, family_for, hf_name
 from shared.gguf_rope import llama3_parameters
 from tests.support.family_models import (FAMILIES, ORIGINAL_CONTEXT, SENTENCEPIECE_FAMILIES, SEQ_LEN, WINDOW,
@@ -44,25 +44,6 @@ class Converted:
     source: Path          # the Hugging Face model
     gguf: Path            # as llama.cpp wrote it (F32)
     out: Path             # kaiten's conversion
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    return ensure_default_model()
-
-
-@pytest.fixture(scope="session")
-def family_gguf(smollm2_dir, tmp_path_factory):
-    """family -> (its tiny Hugging Face model, the F32 GGUF llama.cpp writes of it), made once."""
-    made = {}
-
-    def get(family: str) -> tuple[Path, Path]:
-        if family not in made:
-            root = tmp_path_factory.mktemp(family)
-            source = build_family_model(family, root / "hf", smollm2_dir)
-            made[family] = source, llama_cpp_gguf(source, root / f"{family}.F32.gguf")
-        return made[family]
-    return get
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

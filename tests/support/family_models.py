@@ -130,7 +130,21 @@ def rewrite_gguf(src: Path, dst: Path, extra: dict | None = None, qtypes: dict[s
     quantize_q4_k for Q4_K, which gguf lacks."""
     import gguf
 
-    reader = gguf.GGUFReader(str(src))
+    def quantized(t):
+        kind = (qtypes or {}).get(t.name)
+        if kind is None:
+            return None
+        values = np.ascontiguousarray(np.asarray(t.data), dtype=np.float32)
+        qtype = gguf.GGMLQuantizationType[kind]
+        return (quantize_q4_k(values) if kind == "Q4_K" else gguf.quants.quantize(values, qtype)), qtype
+    return _rewrite(gguf.GGUFReader(str(src)), dst, extra or {}, quantized)
+
+
+def _rewrite(reader, dst: Path, extra: dict, replace) -> Path:
+    """The file `reader` reads, written to `dst` with metadata `extra` added and each tensor t
+    replaced by replace(t) where that is not None: values (F32), or (raw blocks, their type)."""
+    import gguf
+
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
     for key, field in reader.fields.items():
@@ -138,18 +152,17 @@ def rewrite_gguf(src: Path, dst: Path, extra: dict | None = None, qtypes: dict[s
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, field.contents(), field.types[0], sub)
-    for key, (value, vtype) in (extra or {}).items():
+    for key, (value, vtype) in extra.items():
         w.add_key_value(key, value, vtype)
     for t in reader.tensors:
-        values = np.asarray(t.data)
-        kind = (qtypes or {}).get(t.name)
-        if kind is None:
-            w.add_tensor(t.name, values)
-            continue
-        values = np.ascontiguousarray(values, dtype=np.float32)
-        qtype = gguf.GGMLQuantizationType[kind]
-        data = quantize_q4_k(values) if kind == "Q4_K" else gguf.quants.quantize(values, qtype)
-        w.add_tensor(t.name, data, raw_dtype=qtype)
+        new = replace(t)
+        if new is None:
+            plain = t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=None if plain else t.tensor_type)
+        elif isinstance(new, tuple):
+            w.add_tensor(t.name, new[0], raw_dtype=new[1])
+        else:
+            w.add_tensor(t.name, np.ascontiguousarray(new, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -181,3 +194,14 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n, k // 256, 128)
     blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1)
     return blocks.reshape(n, -1)
+
+
+def dequantized_gguf(src: Path, dst: Path) -> Path:
+    """`src` again with every quantized tensor written as F32, its values as gguf's dequantizer
+    decodes them: the exact reference of a quantized file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    quantized = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors
+                 if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)}
+    return _rewrite(reader, dst, {}, lambda t: quantized.get(t.name))
