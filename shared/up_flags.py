@@ -42,7 +42,7 @@ CHILD_FLAGS = (
               "auto | bfloat16 | float16 | float32 (auto: bf16 on CUDA; on the CPU whichever of bf16 "
               "and fp32 runs the model's GEMMs faster, measured once and cached)"),
     ChildFlag("--quantization", "KAITEN_QUANTIZATION", "engine",
-              "auto: a GGUF model's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K weights as stored (CPU); none: dequantized "
+              "auto: a GGUF model's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights as stored (CPU); none: dequantized "
               "to --dtype (default auto)"),
     ChildFlag("--device", "KAITEN_DEVICE", "engine", "cpu | cuda | cuda:N (default: cuda when torch sees a GPU)"),
     ChildFlag("--max-model-len", "KAITEN_MAX_MODEL_LEN", "engine", "context length (default: the model's)", int),
