@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from shared.structured_spec import validate_spec
+
 MAX_LOGPROBS = 20
 
 
@@ -59,7 +61,6 @@ class SamplingParams:
         if not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers")
         if self.structured_output is not None:
-            from engine_worker.engine.structured_output import validate_spec
             validate_spec(self.structured_output)
 
     def _validate_logit_bias(self) -> None:
