@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -25,7 +25,8 @@ log = logging.getLogger("kaiten.gateway")
 MAX_PROMPTS = 64              # completions: a batch of prompts in one request
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
-# vLLM's fields that Kaiten does not implement, with their "off" value: anything else is a 400.
+# vLLM's generation fields that Kaiten does not implement, with their "off" value: anything else is
+# a 400. (add_special_tokens: a prompt is encoded without BOS and the like; /tokenize takes it.)
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
     "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None,
@@ -54,8 +55,9 @@ def _any_other_fields(schema: dict[str, Any]) -> None:
 
 class Body(Strict):
     """A request body: unknown fields kept aside in ``model_extra`` and ignored (``validate`` warns
-    about them)."""
+    about them); its ``UNSUPPORTED`` fields refused unless off."""
     model_config = ConfigDict(extra="allow", json_schema_extra=_any_other_fields)
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
 
 
 # ---------------------------------------------------------------------- parts
@@ -171,6 +173,7 @@ class StructuredOutputs(Strict):
 class SamplingRequest(Body):
     """The fields both generation APIs share. Unset (null) sampling fields take the model's
     defaults (its generation_config.json)."""
+    UNSUPPORTED: ClassVar[dict[str, Any]] = UNSUPPORTED_FIELDS
     model: str | None = None
     n: Annotated[int, Field(**LIMITS["n"].bounds())] = 1
     # 0: a completion's echo alone (gateway/api/openai_api.py); else at least LIMITS["max_tokens"]'s 1.
@@ -263,7 +266,7 @@ class ChatCompletionRequest(ChatTemplateFields, ToolFields, SamplingRequest):
 class TokenizeCompletionRequest(Body):
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (e.g. BOS)")
     return_token_strs: bool | None = None
 
 
@@ -280,7 +283,9 @@ class UnloadLoRAAdapterRequest(Body):
 
 
 class TokenizeChatRequest(ChatTemplateFields):
-    add_special_tokens: Literal[False] = Field(False, description="the template adds the special tokens")
+    add_special_tokens: bool = Field(False, description="add the tokenizer's special tokens (e.g. BOS) on top of "
+                                                        "what the chat template writes (as vLLM; most templates "
+                                                        "write them, hence the default)")
     return_token_strs: bool | None = None
 
 
@@ -373,8 +378,8 @@ def _validated(validator, body: Any) -> Any:
 def _checked(req: Body) -> Body:
     if req.model_extra:
         log.warning("ignoring unknown request fields: %s", _names(set(req.model_extra)))
-    for name in req.model_fields_set & UNSUPPORTED_FIELDS.keys():
+    for name in req.model_fields_set & req.UNSUPPORTED.keys():
         v = getattr(req, name)
-        if v is not None and v != UNSUPPORTED_FIELDS[name] and v not in ([], {}):
+        if v is not None and v != req.UNSUPPORTED[name] and v not in ([], {}):
             raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
     return req
