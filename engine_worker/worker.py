@@ -53,6 +53,7 @@ from engine_worker.stream_reader import AbortReader, ControlReader, RequestReade
 from engine_worker.worker_stats import Counters, LatencyStats
 from shared import names
 from shared.config import EngineConfig, WorkerConfig
+from shared.config_cli import add_config_flags, config_overrides
 from shared.log_format import add_log_flags, setup_logging
 from shared.redis_conn import min_socket_timeout_for_block, redis_client
 
@@ -401,23 +402,6 @@ class EngineWorker:
 
 
 # ---------------------------------------------------------------------- CLI
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip: set[str]) -> None:
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
-        elif isinstance(default, list):
-            parser.add_argument(flag, dest=f.name, nargs="+", default=None, metavar="VALUE",
-                                help=f"(env {cls.ENV_NAMES.get(f.name, 'KAITEN_' + f.name.upper())}, comma-separated)")
-        else:
-            typ = int if f.type == "int | None" else type(default) if isinstance(default, (int, float)) else str
-            parser.add_argument(flag, dest=f.name, type=typ, default=None,
-                                help=f"(env {cls.ENV_NAMES.get(f.name, 'KAITEN_' + f.name.upper())}, default {default!r})")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kaiten engine", description="Run one engine worker on the Redis request stream.")
     parser.add_argument("--model", default=None, help="a model directory, a GGUF file or a Hugging Face repo id "
@@ -428,15 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(parser)
     parser.add_argument("--healthcheck", action="store_true",
                         help="exit 0 if this engine's heartbeat is in Redis (for container healthchecks)")
-    _add_dataclass_flags(parser.add_argument_group("engine"), EngineConfig, {"model", "offline"})
-    _add_dataclass_flags(parser.add_argument_group("worker"), WorkerConfig, {"redis_url", "engine_id"})
+    add_config_flags(parser.add_argument_group("engine"), EngineConfig, skip={"model", "offline"})
+    add_config_flags(parser.add_argument_group("worker"), WorkerConfig, skip={"redis_url", "engine_id"})
     return parser
 
 
 def configs_from_args(args: argparse.Namespace, resolve_model: bool = True) -> tuple[EngineConfig, WorkerConfig]:
-    kw = vars(args)
-    ecfg = EngineConfig.from_env().with_overrides(**{f.name: kw.get(f.name) for f in dataclasses.fields(EngineConfig)})
-    wcfg = WorkerConfig.from_env().with_overrides(**{f.name: kw.get(f.name) for f in dataclasses.fields(WorkerConfig)})
+    ecfg = EngineConfig.from_env().with_overrides(**config_overrides(args, EngineConfig))
+    wcfg = WorkerConfig.from_env().with_overrides(**config_overrides(args, WorkerConfig))
     if resolve_model:
         from shared.model_source import resolve_model as resolve
         ecfg = ecfg.with_overrides(model=str(resolve(ecfg.model)))

@@ -8,7 +8,7 @@ SUBCOMMANDS = {
     "serve": ("shared.launcher", "Serve MODEL: Redis (if needed), one engine worker and one gateway, like vllm serve"),
     "up": ("shared.launcher", "The same as serve"),
     "engine": ("engine_worker.worker", "Run one engine worker on a Redis stream"),
-    "gateway": ("gateway.app", "Run one OpenAI-compatible gateway"),
+    "gateway": ("gateway.cli", "Run one OpenAI-compatible gateway"),
     "tokenizer": ("tokenizer_service.service", "Run the tokenizer service"),
     "generate": ("engine_worker.engine.offline", "Generate offline, without Redis (the engine as a library)"),
     "convert": ("shared.gguf_convert", "Convert the default model or a GGUF file into a model directory, once"),

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.sampling_limits import LIMITS, check
+
 MODES = ("auto", "vllm")
 
 
@@ -56,24 +58,25 @@ def load_generation_defaults(model_dir: str | Path | None, mode: str = "auto") -
 
 def _from_config(gen: dict, source: str) -> GenerationDefaults:
     base = GenerationDefaults()
-    out = {
-        "temperature": _number(gen, "temperature", base.temperature, source, lambda v: v >= 0),
-        "top_p": _number(gen, "top_p", base.top_p, source, lambda v: 0 < v <= 1),
-        "top_k": int(_number(gen, "top_k", base.top_k, source, lambda v: v == int(v) and v >= -1)),
-        "min_p": _number(gen, "min_p", base.min_p, source, lambda v: 0 <= v <= 1),
-        "repetition_penalty": _number(gen, "repetition_penalty", base.repetition_penalty, source, lambda v: v > 0),
-    }
+    out = {name: _number(gen, name, getattr(base, name), source)
+           for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     max_new = gen.get("max_new_tokens")
     if max_new is not None:
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-            raise ValueError(f"{source}: max_new_tokens must be an integer >= 1, got {max_new!r}")
+        try:
+            check("max_tokens", max_new)
+        except ValueError:
+            raise ValueError(f"{source}: max_new_tokens must be {LIMITS['max_tokens'].describe()}, "
+                             f"got {max_new!r}") from None
     return GenerationDefaults(**out, max_tokens=max_new, source=source)
 
 
-def _number(gen: dict, name: str, default: float, source: str, ok) -> float:
+def _number(gen: dict, name: str, default: float, source: str) -> float:
+    """The file's `name` within its limit (shared/sampling_limits.py); top_k may be written 40.0."""
     v = gen.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+    limit = LIMITS[name]
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not limit.contains(v)
+            or (limit.integer and v != int(v))):
         raise ValueError(f"{source}: {name} has an invalid value {v!r}")
-    return float(v) if name != "top_k" else v
+    return int(v) if limit.integer else float(v)

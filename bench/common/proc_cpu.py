@@ -9,7 +9,7 @@ from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-ROLES = (("redis-server", "redis"), ("shared.cli gateway", "gateway"), ("gateway.app", "gateway"),
+ROLES = (("redis-server", "redis"), ("shared.cli gateway", "gateway"), ("gateway.cli", "gateway"),
          ("shared.cli engine", "engine"), ("engine_worker.worker", "engine"), ("shared.cli serve", "launcher"))
 
 

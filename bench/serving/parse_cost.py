@@ -1,6 +1,6 @@
 """The gateway's API layer on its hot paths, against an older revision's in the same run:
 
-- parse: a typical chat request from its body's bytes to the ParsedRequest, as gateway/app.py
+- parse: a typical chat request from its body's bytes to the ParsedRequest, as gateway/api/openai_routes.py
   does it per request (JSON depth check, decoding, validation, chat template, tokenization); and
   parse_fixed_ids, the same with a tokenizer that answers at once (the template's cost left out).
 - chunk: one streamed chat chunk (a token's text) through ``chat_sse``, per chunk of a 64-token

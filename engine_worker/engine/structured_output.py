@@ -9,6 +9,8 @@ A request asks for it with ``SamplingParams.structured_output``, a map ``{"kind"
     choice       V: a list of strings; the output is exactly one of them
     grammar      V: an EBNF grammar (xgrammar's dialect, GBNF-like, with a ``root`` rule)
 
+(The spec's shape and size are checked by shared/structured_spec.py, at admission.)
+
 The life of a constrained request in the engine:
 
 1. ``submit``: its grammar is compiled on the compiler thread (never in the step loop); compiled
@@ -39,28 +41,12 @@ from typing import Any
 import torch
 
 from engine_worker.engine.sequence import Sequence
+from shared.structured_spec import validate_spec
 
 log = logging.getLogger(__name__)
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
 COMPILED_CACHE_SIZE = 128
-MAX_SPEC_CHARS = 1 << 20
 COMPILER_THREADS = 2
-
-
-def validate_spec(spec: Any) -> None:
-    """Check the shape of a ``structured_output`` map (compiling is what proves it valid)."""
-    if not isinstance(spec, dict) or set(spec) - {"kind", "value"} or spec.get("kind") not in KINDS:
-        raise ValueError(f"structured_output must be a map {{'kind': one of {', '.join(KINDS)}, 'value': ...}}, "
-                         f"got {spec!r:.200}")
-    kind, value = spec["kind"], spec.get("value")
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise ValueError("structured_output choice: 'value' must be a non-empty list of non-empty strings")
-    elif kind != "json_object" and (not isinstance(value, str) or not value):
-        raise ValueError(f"structured_output {kind}: 'value' must be a non-empty string")
-    if len(json.dumps(value)) > MAX_SPEC_CHARS:
-        raise ValueError(f"structured_output {kind}: the specification is larger than {MAX_SPEC_CHARS} characters")
 
 
 def cache_key(spec: dict) -> tuple[str, str]:

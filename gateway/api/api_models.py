@@ -1,7 +1,8 @@
 """The API's request bodies as pydantic models: vLLM's field names, OpenAI's types,
-defaults and limits. They validate every request (``validate``) and generate /openapi.json
-(gateway/api/openapi.py). Rules that need the model (vocabulary, context, max n) or join fields are in
-gateway/api/openai_api.py.
+defaults and limits (the sampling fields' limits come from shared/sampling_limits.py, as the
+engine's do). They validate every request (``validate``) and generate /openapi.json
+(gateway/api/openapi.py). Rules that need the model (vocabulary, context, max n) or join fields
+are in gateway/api/openai_api.py.
 
 Requests are strict (no "10" for 10, no true for 1, no NaN). A field no model knows is ignored with
 one warning; a known field Kaiten does not implement (``UNSUPPORTED_FIELDS``) is a 400 unless it
@@ -11,25 +12,21 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared.sampling_limits import LIMITS, MAX_LOGIT_BIAS, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 from .errors import APIError, bad_request
 
 log = logging.getLogger("kaiten.gateway")
 
-MAX_LOGPROBS = 20             # engine_worker.engine.sampling_params.MAX_LOGPROBS
-MAX_STOP_STRINGS = 16
-MAX_STOP_LEN = 1024
 MAX_PROMPTS = 64              # completions: a batch of prompts in one request
-MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS = 1024
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-INT32_MAX = 2**31 - 1         # the engine's tensors: a larger top_k overflowed them
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
-# vLLM's fields that Kaiten does not implement, with their "off" value: anything else is a 400.
+# vLLM's generation fields that Kaiten does not implement, with their "off" value: anything else is
+# a 400. (add_special_tokens: a prompt is encoded without BOS and the like; /tokenize takes it.)
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
     "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None,
@@ -41,8 +38,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 
 TokenId = Annotated[int, Field(ge=0)]
 NonEmpty = Annotated[str, Field(min_length=1)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
 JsonObject = dict[str, Any]
 
@@ -60,8 +55,9 @@ def _any_other_fields(schema: dict[str, Any]) -> None:
 
 class Body(Strict):
     """A request body: unknown fields kept aside in ``model_extra`` and ignored (``validate`` warns
-    about them)."""
+    about them); its ``UNSUPPORTED`` fields refused unless off."""
     model_config = ConfigDict(extra="allow", json_schema_extra=_any_other_fields)
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
 
 
 # ---------------------------------------------------------------------- parts
@@ -177,32 +173,34 @@ class StructuredOutputs(Strict):
 class SamplingRequest(Body):
     """The fields both generation APIs share. Unset (null) sampling fields take the model's
     defaults (its generation_config.json)."""
+    UNSUPPORTED: ClassVar[dict[str, Any]] = UNSUPPORTED_FIELDS
     model: str | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(**LIMITS["n"].bounds())] = 1
+    # 0: a completion's echo alone (gateway/api/openai_api.py); else at least LIMITS["max_tokens"]'s 1.
     max_tokens: Annotated[int, Field(ge=0)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    temperature: Annotated[float, Field(**LIMITS["temperature"].bounds())] | None = None
+    top_p: Annotated[float, Field(**LIMITS["top_p"].bounds())] | None = None
+    top_k: Annotated[int, Field(**LIMITS["top_k"].bounds())] | None = None
+    min_p: Annotated[float, Field(**LIMITS["min_p"].bounds())] | None = None
+    presence_penalty: Annotated[float, Field(**LIMITS["presence_penalty"].bounds())] | None = None
+    frequency_penalty: Annotated[float, Field(**LIMITS["frequency_penalty"].bounds())] | None = None
+    repetition_penalty: Annotated[float, Field(**LIMITS["repetition_penalty"].bounds())] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    seed: Annotated[int, Field(**LIMITS["seed"].bounds())] | None = None
     ignore_eos: bool | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Annotated[int, Field(**LIMITS["min_tokens"].bounds())] | None = None
     logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^\s*[+-]?\d+\s*$")],
-                               Annotated[float, Field(ge=-100.0, le=100.0)]],
+                               Annotated[float, Field(**LIMITS["logit_bias"].bounds())]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     return_tokens_as_token_ids: bool | None = None
-    prompt_logprobs: Logprobs | None = None
+    prompt_logprobs: Annotated[int, Field(**LIMITS["prompt_logprobs"].bounds())] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     extra_body: JsonObject | None = Field(None, description="fields merged into the body (as some clients send them)")
@@ -234,10 +232,10 @@ Prompt = Union[str, list[str], list[TokenId], list[list[TokenId]]]
 class CompletionRequest(SamplingRequest):
     prompt: Annotated[Prompt, Field(description="a string, a list of strings, a list of token ids or a list "
                                                 "of lists of token ids")]
-    logprobs: Logprobs | None = None
+    logprobs: Annotated[int, Field(**LIMITS["logprobs"].bounds())] | None = None
     echo: bool | None = None
     suffix: str | None = Field(None, description="not supported: only null or empty")
-    best_of: Annotated[int, Field(ge=1)] | None = Field(None, description="only equal to n")
+    best_of: Annotated[int, Field(**LIMITS["n"].bounds())] | None = Field(None, description="only equal to n")
 
 
 class ChatTemplateFields(Body):
@@ -257,9 +255,9 @@ class ToolFields(Body):
 
 
 class ChatCompletionRequest(ChatTemplateFields, ToolFields, SamplingRequest):
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(**LIMITS["max_tokens"].bounds())] | None = None
     logprobs: bool | None = None
-    top_logprobs: Logprobs | None = None
+    top_logprobs: Annotated[int, Field(**LIMITS["top_logprobs"].bounds())] | None = None
     store: bool | None = None
     metadata: JsonObject | None = None
     service_tier: str | None = None
@@ -268,7 +266,7 @@ class ChatCompletionRequest(ChatTemplateFields, ToolFields, SamplingRequest):
 class TokenizeCompletionRequest(Body):
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (e.g. BOS)")
     return_token_strs: bool | None = None
 
 
@@ -285,7 +283,9 @@ class UnloadLoRAAdapterRequest(Body):
 
 
 class TokenizeChatRequest(ChatTemplateFields):
-    add_special_tokens: Literal[False] = Field(False, description="the template adds the special tokens")
+    add_special_tokens: bool = Field(False, description="add the tokenizer's special tokens (e.g. BOS) on top of "
+                                                        "what the chat template writes (as vLLM; most templates "
+                                                        "write them, hence the default)")
     return_token_strs: bool | None = None
 
 
@@ -378,8 +378,8 @@ def _validated(validator, body: Any) -> Any:
 def _checked(req: Body) -> Body:
     if req.model_extra:
         log.warning("ignoring unknown request fields: %s", _names(set(req.model_extra)))
-    for name in req.model_fields_set & UNSUPPORTED_FIELDS.keys():
+    for name in req.model_fields_set & req.UNSUPPORTED.keys():
         v = getattr(req, name)
-        if v is not None and v != UNSUPPORTED_FIELDS[name] and v not in ([], {}):
+        if v is not None and v != req.UNSUPPORTED[name] and v not in ([], {}):
             raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
     return req

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from shared.generation_defaults import GenerationDefaults
+from shared.sampling_limits import SEED_MAX
 from tokenizer_service.tokenizer import RESERVED_TEMPLATE_KWARGS, ChatTemplateOptions
 
 from ..backend.output import OutputOptions
-from .api_models import (MAX_PROMPTS, SEED_MAX, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
-                         Message, SamplingRequest, validate)
+from .api_models import (MAX_PROMPTS, ChatCompletionRequest, ChatTemplateFields, CompletionRequest, Message,
+                         SamplingRequest, validate)
 from .errors import APIError, bad_request
 from .structured import structured_spec
 from .tools import ToolCalling, parse_tools

@@ -1,6 +1,6 @@
 """Structured-output requests: OpenAI ``response_format`` and vLLM's ``structured_outputs`` extras,
 checked here and turned into the engine's ``structured_output`` spec ``{"kind", "value"}``
-(see engine_worker/engine/structured_output.py).
+(shared/structured_spec.py; what the engine does with it: engine_worker/engine/structured_output.py).
 
     response_format     {"type": "text"} | {"type": "json_object"}
                         | {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}
@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import bad_request
+from shared.structured_spec import MAX_SPEC_CHARS
 
 from .api_models import SamplingRequest, StructuredOutputs
+from .errors import bad_request
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-MAX_SPEC_CHARS = 1 << 20          # engine_worker.engine.structured_output.MAX_SPEC_CHARS
 
 
 def structured_spec(req: SamplingRequest) -> dict | None:

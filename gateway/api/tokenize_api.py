@@ -7,6 +7,9 @@
     /detokenize  {"tokens"} -> {"prompt"}
 
 A chat prompt is rendered exactly as /v1/chat/completions renders it (gateway.api.openai_api).
+As in vLLM, "add_special_tokens" adds the tokenizer's special tokens (BOS and the like, where its
+post-processor has them) when the text is encoded: a prompt's by default; a chat prompt's only when
+asked, on top of those its template writes.
 """
 from __future__ import annotations
 
@@ -72,11 +75,14 @@ async def _chat_ids(req: TokenizeChatRequest, ctx) -> list[int]:
     messages = normalize_messages(req.messages)
     agp, options = template_options(req, ctx, messages)
     try:
-        return list(await ctx.tokenizer.apply_chat_template(messages, agp, options))
+        if not req.add_special_tokens:
+            return list(await ctx.tokenizer.apply_chat_template(messages, agp, options))
+        text = await ctx.tokenizer.render_chat(messages, agp, options)
     except ValueError as e:
         raise bad_request(f"invalid messages: {e}", "messages") from None
     except Exception as e:
         raise tokenizer_unavailable(e) from None
+    return await _offload(len(text), ctx.served.text_tokenizer.encode, text, True)
 
 
 async def _offload(size: int, fn, *args):

@@ -1,6 +1,6 @@
 /* Kaiten chat page: the conversation, the socket and the controls. Plain JS, no build step.
  *
- * Talks to the gateway over /v1/chat/ws (see .helpers/WS_PROTOCOL.md): one socket, one
+ * Talks to the gateway over /v1/chat/ws (its protocol: gateway/api/ws_chat.py): one socket, one
  * generation at a time from this page, the whole conversation sent on every turn.
  * Helpers loaded before this file: markdown.js (model text to sanitized DOM), chats.js (past chats
  * in localStorage), auth.js (the API key: socket subprotocols, HTTP headers, the key prompt),

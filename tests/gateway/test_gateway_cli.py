@@ -80,3 +80,23 @@ def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "shared.cli", "gateway", "--help"], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--redis-url" in out.stdout and "--model" in out.stdout
+
+
+def test_cli_flags_and_help_come_from_the_config():
+    """Every GatewayConfig field is a flag (extra_models: --model again) whose help gives the field's
+    own variable and default: the help cannot drift from the config (it once said 2 for 1.5)."""
+    import dataclasses
+
+    from gateway.cli import build_parser
+    from shared.config import GatewayConfig
+    from shared.config_cli import env_name
+    actions = {a.dest: a for a in build_parser()._actions}
+    for f in dataclasses.fields(GatewayConfig):
+        if f.name == "extra_models":
+            continue
+        helptext = actions[f.name].help
+        assert f"(env {env_name(GatewayConfig, f.name)}," in helptext, (f.name, helptext)
+        if not isinstance(f.default, tuple):
+            assert helptext.endswith(f"default {f.default!r})"), (f.name, helptext)
+    assert actions["failover_timeout"].help.endswith("(env KAITEN_FAILOVER_TIMEOUT, default 1.5)")
+    assert actions["api_keys"].option_strings == ["--api-key"] and actions["model"].option_strings == ["--model"]

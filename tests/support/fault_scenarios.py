@@ -84,7 +84,7 @@ class Deployment:
     def _gateway(self, host: str) -> str:
         c, ip = self.cfg, self.net[host].ip
         self.net[host].popen(
-            [sys.executable, "-m", "gateway.app", "--host", ip, "--port", "8000", "--model", c.model_dir,
+            [sys.executable, "-m", "gateway.cli", "--host", ip, "--port", "8000", "--model", c.model_dir,
              "--redis-url", self.cluster.url, "--engine-timeout", "8", "--failover-timeout", str(c.failover_timeout),
              "--redis-grace", str(c.redis_grace)],
             cwd=ROOT, env=self._env(), stdout=subprocess.DEVNULL, stderr=open(self.workdir / f"{host}.log", "wb"))

@@ -400,7 +400,7 @@ def test_progress_draws_a_bar_on_a_terminal(caplog):
 
 
 def test_gateway_cli_takes_keys_origins_and_keepalive(monkeypatch):
-    from gateway.app import build_parser, config_from_args
+    from gateway.cli import build_parser, config_from_args
     monkeypatch.delenv("KAITEN_API_KEYS", raising=False)
     args = build_parser().parse_args(["--api-key", "a", "--api-key", "b", "--allowed-origins",
                                       "https://x.example,https://y.example", "--sse-keepalive", "5"])
