@@ -47,7 +47,7 @@ UNREAD_VARIABLES = {"KAITEN_DRAIN_TIMEOUT"}
 COMMANDS = [   # (command, module, how to get its parser, the config classes its flags fill)
     ("kaiten serve", "shared.launcher", "build_parser", ("EngineConfig", "GatewayConfig")),
     ("kaiten engine", "engine_worker.worker", "build_parser", ("EngineConfig", "WorkerConfig")),
-    ("kaiten gateway", "gateway.app", "build_parser", ("GatewayConfig",)),
+    ("kaiten gateway", "gateway.cli", "build_parser", ("GatewayConfig",)),
     ("kaiten tokenizer", "tokenizer_service.service", "main", ("TokenizerServiceConfig",)),
     ("kaiten generate", "engine_worker.engine.offline", "main", ()),
     ("kaiten convert", "shared.gguf_convert", "main", ()),
