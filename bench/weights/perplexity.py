@@ -7,8 +7,8 @@ the output layer too, as served) and with them exact, the converter's bf16 copy
 on the same file. Also the largest logprob difference, token by token,
 between the quantized engine and the exact fp32 dequantization.
 
-Like llama-perplexity: the text's tokens are cut into chunks of --ctx tokens (no BOS: the GGUF does
-not add one); each chunk is one sequence, and the tokens of its second half are scored (position
+Like llama-perplexity: the text's tokens are cut into chunks of --ctx tokens (each starting with BOS
+where the GGUF adds one, as Gemma's does; SmolLM2's does not); each chunk is one sequence, and the tokens of its second half are scored (position
 i predicts token i + 1 for i from ctx/2 to ctx - 2). Kaiten runs each chunk as one prompt and
 reads its prompt logprobs. The tokens are the same: llama-tokenize's ids of the text are checked
 to equal Kaiten's before anything is scored.
@@ -88,9 +88,15 @@ def int8_rows(rows: int | None):
 
 
 def text_chunks(tokenizer, ctx: int, count: int) -> tuple[list[int], list[list[int]]]:
-    """TEXT's token ids (no special tokens) and up to `count` whole chunks of `ctx` of them."""
-    ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
-    return ids, [ids[i * ctx:(i + 1) * ctx] for i in range(min(count, len(ids) // ctx))]
+    """TEXT's token ids, with the tokenizer's special tokens as llama-perplexity tokenizes it, and
+    up to `count` whole chunks of `ctx` of them, each starting with BOS where the model adds one
+    (llama-perplexity puts it in place of each chunk's first token: Gemma's; SmolLM2 adds none)."""
+    ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=True)
+    chunks = [ids[i * ctx:(i + 1) * ctx] for i in range(min(count, len(ids) // ctx))]
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids[:1] == [bos]:
+        chunks = [[bos] + chunk[1:] for chunk in chunks]
+    return ids, chunks
 
 
 def perplexity(logprobs: list[float]) -> float:
@@ -200,7 +206,7 @@ def render(meta: dict, rows: dict) -> str:
              f"{meta['isa']}; int8 activations take levels +-{meta['int8_x_levels']}.\n",
              f"Text: {meta['text']}, {meta['tokens']} tokens (the same ids from llama-tokenize: "
              f"{meta.get('same_tokens_as_llama_cpp', 'not checked')}); {meta['chunks']} chunks of {meta['ctx']} "
-             f"tokens, no BOS, the second half of each chunk scored ({meta['ctx'] // 2 - 1} tokens a chunk), as "
+             f"tokens, BOS first where the model adds one, the second half of each chunk scored ({meta['ctx'] // 2 - 1} tokens a chunk), as "
              "llama-perplexity does.\n",
              "| engine | compute dtype | perplexity | max abs logprob diff vs exact fp32 | mean abs diff |",
              "|---|---|---:|---:|---:|"]
