@@ -37,7 +37,7 @@ class AsyncTokenizer(abc.ABC):
     model_max_length: int
 
     @abc.abstractmethod
-    async def encode(self, text: str) -> list[int]: ...
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     @abc.abstractmethod
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -89,10 +89,10 @@ class LocalAsyncTokenizer(AsyncTokenizer):
     def special_token_ids(self) -> frozenset[int]:
         return self.tokenizer.special_token_ids
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if isinstance(text, str) and len(text) > OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text)
-        return self.tokenizer.encode(text)
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
 
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                           options: ChatTemplateOptions | None = None) -> tuple[str, list[int]]:
@@ -200,11 +200,12 @@ class RemoteAsyncTokenizer(AsyncTokenizer):
         if self._info is None:
             await self.info()
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
         await self._ready()
-        return list((await self._request("POST", "/tokenize", {"text": text}))["token_ids"])
+        body = {"text": text, "add_special_tokens": add_special_tokens}
+        return list((await self._request("POST", "/tokenize", body))["token_ids"])
 
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                           options: ChatTemplateOptions | None = None) -> tuple[str, list[int]]:

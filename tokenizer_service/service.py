@@ -10,7 +10,7 @@ Endpoints (JSON in, JSON out; errors in the OpenAI shape {"error": {"message", "
     GET  /health            {"status": "ok"}
     GET  /info              {"model", "eos_token_id", "bos_token_id", "vocab_size", "model_max_length",
                              "special_token_ids"}
-    POST /tokenize          {"text"} -> {"token_ids"}
+    POST /tokenize          {"text"[, "add_special_tokens" (default false)]} -> {"token_ids"}
     POST /detokenize        {"token_ids"[, "skip_special_tokens" (default true)]} -> {"text"}  (whole sequence)
     POST /chat/template     {"messages"[, "add_generation_prompt" (default true), "continue_final_message",
                              "chat_template", "chat_template_kwargs", "tools"]} -> {"prompt", "token_ids"}
@@ -113,10 +113,11 @@ def create_app(tokenizer: ChatTokenizer, model_name: str | None = None) -> Starl
     async def tokenize(request: Request) -> JSONResponse:
         data = await _json_object(request)
         text = _field(data, "text", str, "a string")
+        specials = _field(data, "add_special_tokens", bool, "a boolean", default=False)
         if len(text) > OFFLOAD_CHARS:
-            ids = await run_in_threadpool(tok.encode, text)
+            ids = await run_in_threadpool(tok.encode, text, specials)
         else:
-            ids = tok.encode(text)
+            ids = tok.encode(text, specials)
         return JSONResponse({"token_ids": ids})
 
     async def detokenize(request: Request) -> JSONResponse:

@@ -26,14 +26,14 @@ MAX_PROMPTS = 64              # completions: a batch of prompts in one request
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
 # vLLM's generation fields that Kaiten does not implement, with their "off" value: anything else is
-# a 400. (add_special_tokens: a prompt is encoded without BOS and the like; /tokenize takes it.)
+# a 400.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
     "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
     "guided_whitespace_pattern": None, "logits_processors": None, "priority": 0,
     "prompt_embeds": None, "documents": None, "mm_processor_kwargs": None, "kv_transfer_params": None,
-    "vllm_xargs": None, "add_special_tokens": False,
+    "vllm_xargs": None,
 }
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -223,7 +223,6 @@ class SamplingRequest(Body):
     mm_processor_kwargs: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
-    add_special_tokens: Any = None
 
 
 Prompt = Union[str, list[str], list[TokenId], list[list[TokenId]]]
@@ -236,6 +235,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = None
     suffix: str | None = Field(None, description="not supported: only null or empty")
     best_of: Annotated[int, Field(**LIMITS["n"].bounds())] | None = Field(None, description="only equal to n")
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (e.g. BOS) to a text prompt")
 
 
 class ChatTemplateFields(Body):
@@ -261,6 +261,8 @@ class ChatCompletionRequest(ChatTemplateFields, ToolFields, SamplingRequest):
     store: bool | None = None
     metadata: JsonObject | None = None
     service_tier: str | None = None
+    add_special_tokens: bool = Field(False, description="add the tokenizer's special tokens (e.g. BOS) on top of "
+                                                        "the chat template's")
 
 
 class TokenizeCompletionRequest(Body):

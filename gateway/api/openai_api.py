@@ -26,7 +26,7 @@ from .tools import ToolCalling, parse_tools
 
 
 class Tokenizer(Protocol):
-    async def encode(self, text: str) -> list[int]: ...
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                                   options: ChatTemplateOptions | None = None) -> list[int]: ...
 
@@ -238,7 +238,7 @@ async def parse_completion(body: Any, resolve: Resolve) -> ParsedRequest:
     params = _common(req, ctx)
     stop = _stop(req)
     seeds = _seeds(req, n)
-    prompts, texts = await _prompts(req.prompt, n, ctx)
+    prompts, texts = await _prompts(req.prompt, n, ctx, req.add_special_tokens)
     echo_only = echo and req.max_tokens == 0
     # The engine makes one token that nobody sees when only the prompt is wanted (as vLLM does).
     params["max_tokens"] = _max_tokens(1 if echo_only else req.max_tokens, "max_tokens", [len(p) for p in prompts],
@@ -252,9 +252,11 @@ async def parse_completion(body: Any, resolve: Resolve) -> ParsedRequest:
                          prompt_logprobs=prompt_logprobs, echo_only=echo_only, ctx=ctx)
 
 
-async def _prompts(prompt: Any, n: int, ctx: ModelContext) -> tuple[list[list[int]], list[str | None]]:
+async def _prompts(prompt: Any, n: int, ctx: ModelContext, add_special_tokens: bool
+                   ) -> tuple[list[list[int]], list[str | None]]:
     """The prompt (a string, a list of strings, a list of token ids, or a list of lists of ids) as
-    token ids, with each one's text where it was given as text."""
+    token ids, with each one's text where it was given as text: a text with the tokenizer's special
+    tokens (BOS) where `add_special_tokens` (vLLM's default for completions), ids as given."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         batch: list = [prompt]
     elif not prompt:
@@ -269,7 +271,7 @@ async def _prompts(prompt: Any, n: int, ctx: ModelContext) -> tuple[list[list[in
         if isinstance(p, str):
             if p == "":
                 raise bad_request("the prompt must not be empty", "prompt", "empty_prompt")
-            ids = await _encode(ctx, p)
+            ids = await _encode(ctx, p, add_special_tokens)
             texts.append(p)
         else:
             ids = list(p)
@@ -279,9 +281,9 @@ async def _prompts(prompt: Any, n: int, ctx: ModelContext) -> tuple[list[list[in
     return prompts, texts
 
 
-async def _encode(ctx: ModelContext, text: str) -> list[int]:
+async def _encode(ctx: ModelContext, text: str, add_special_tokens: bool) -> list[int]:
     try:
-        return list(await ctx.tokenizer.encode(text))
+        return list(await ctx.tokenizer.encode(text, add_special_tokens))
     except ValueError as e:
         raise bad_request(f"cannot tokenize the prompt: {e}", "prompt") from None
     except Exception as e:       # tokenizer_service.TokenizerUnavailable and the like
@@ -372,7 +374,11 @@ async def parse_chat(body: Any, resolve: Resolve, force_stream: bool | None = No
     try:
         if tools is not None:
             options.tools = tools.tools
-        ids = list(await ctx.tokenizer.apply_chat_template(messages, add_generation_prompt, options))
+        if req.add_special_tokens:      # vLLM's: the template's text, encoded with the specials added
+            text = await ctx.tokenizer.render_chat(messages, add_generation_prompt, options)
+            ids = list(await ctx.tokenizer.encode(text, True))
+        else:
+            ids = list(await ctx.tokenizer.apply_chat_template(messages, add_generation_prompt, options))
     except ValueError as e:
         raise bad_request(f"invalid messages: {e}", "messages") from None
     except Exception as e:

@@ -18,7 +18,7 @@ MSGS = [{"role": "user", "content": "Hello world"}]
 def bos_model_dir(tiny_model_dir, tmp_path_factory):
     from tokenizers import processors
     path = tmp_path_factory.mktemp("tiny-bos")
-    for name in ("config.json", "generation_config.json"):
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(tiny_model_dir / name, path / name)
     tok = build_tokenizer()
     tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
@@ -76,3 +76,31 @@ def test_messages_add_special_tokens(srv, hf):
 def test_add_special_tokens_must_be_a_boolean(srv, body):
     r = httpx.post(srv.url + "/tokenize", json=body, trust_env=False, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text
+
+
+@pytest.fixture(scope="module")
+def engine(bos_model_dir, redis_server, srv):
+    from tests.support.engine_support import e2e_worker, wait_until
+    w = e2e_worker(redis_server.url, bos_model_dir, "special-tokens").start()
+    wait_until(lambda: srv.gw.monitor.live_engines(), 10)
+    yield w
+    w.stop()
+
+
+def _usage(srv, path: str, body: dict) -> int:
+    r = httpx.post(srv.url + path, json={"max_tokens": 1, "temperature": 0, **body}, trust_env=False, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def test_completions_and_chat_add_special_tokens_as_vllm(srv, hf, engine):
+    """/v1/completions encodes a text prompt with the tokenizer's special tokens (vLLM's default,
+    a model's BOS: Gemma and Llama 3 need it), and not with add_special_tokens false; a chat's
+    template writes its own, and add_special_tokens true adds the tokenizer's on top."""
+    text = "Hello world"
+    assert _usage(srv, "/v1/completions", {"prompt": text}) == len(hf.encode(text, add_special_tokens=True))
+    assert _usage(srv, "/v1/completions", {"prompt": text, "add_special_tokens": False}) == \
+        len(hf.encode(text, add_special_tokens=False))
+    plain = hf.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert _usage(srv, "/v1/chat/completions", {"messages": MSGS}) == len(plain)
+    assert _usage(srv, "/v1/chat/completions", {"messages": MSGS, "add_special_tokens": True}) == len(plain) + 1

@@ -72,7 +72,7 @@ BAD_REQUESTS = [
     ("skip_special_tokens string", "/v1/completions", {"prompt": "hi", "skip_special_tokens": "no"}, 400),
     ("include_stop_str_in_output number", "/v1/completions", {"prompt": "hi", "include_stop_str_in_output": 1}, 400),
     ("use_beam_search", "/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400),
-    ("add_special_tokens true", "/v1/completions", {"prompt": "hi", "add_special_tokens": True}, 400),
+    ("add_special_tokens string", "/v1/completions", {"prompt": "hi", "add_special_tokens": "yes"}, 400),
     ("chat continue_final_message with add_generation_prompt", "/v1/chat/completions",
      {"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True,
       "add_generation_prompt": True}, 400),
