@@ -50,7 +50,7 @@ COMMANDS = [   # (command, module, how to get its parser, the config classes its
     ("kaiten gateway", "gateway.cli", "build_parser", ("GatewayConfig",)),
     ("kaiten tokenizer", "tokenizer_service.service", "main", ("TokenizerServiceConfig",)),
     ("kaiten generate", "engine_worker.engine.offline", "main", ()),
-    ("kaiten convert", "shared.gguf_convert", "main", ()),
+    ("kaiten convert", "shared.convert_cli", "main", ()),
 ]
 
 

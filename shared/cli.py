@@ -11,7 +11,7 @@ SUBCOMMANDS = {
     "gateway": ("gateway.cli", "Run one OpenAI-compatible gateway"),
     "tokenizer": ("tokenizer_service.service", "Run the tokenizer service"),
     "generate": ("engine_worker.engine.offline", "Generate offline, without Redis (the engine as a library)"),
-    "convert": ("shared.gguf_convert", "Convert the default model or a GGUF file into a model directory, once"),
+    "convert": ("shared.convert_cli", "Convert the default model or a GGUF file into a model directory, once"),
 }
 
 

@@ -32,7 +32,6 @@ makes every later call return at once, without importing gguf, numpy or torch.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -47,6 +46,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from shared.gguf_quant import QUANTIZED_FILE
 from shared.gguf_tokenizer import write_tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -59,9 +59,6 @@ MARKER = ".kaiten-converted"   # written last, inside the temporary directory, b
 # tokenizer from shared.gguf_tokenizer, all end-of-generation ids; 5: the architectures of
 # shared.gguf_families, the sidecar renamed QUANTIZED_FILE, F32/F16/BF16 kept
 CONVERTER_VERSION = 5
-# The quantized matrices as stored: a safetensors file (shared.gguf_quant.load reads it), named so
-# that no tool globbing *.safetensors takes it for a weight shard of the model (vLLM did).
-QUANTIZED_FILE = "gguf_quantized.kaiten"
 # SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9". The card sets no cap for chat;
 # without one an unset max_tokens runs to the end of the 8,192-token context when a sample never
 # reaches EOS (seen: 1,700 tokens in 10 minutes on a busy CPU). 256 was the chat page's cap.
@@ -313,39 +310,3 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-# --------------------------------------------------------------------------- CLI
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kaiten convert", description="Make sure a model directory exists: convert "
-                                 "the default SmolLM2 or a GGUF file once, or find a Hugging Face repo in the "
-                                 "local cache. Prints the model directory.")
-    ap.add_argument("model", nargs="?", default=None,
-                    help="a model directory, a GGUF file or a Hugging Face repo id in the local cache "
-                         "(env KAITEN_MODEL; default: the default SmolLM2)")
-    ap.add_argument("--models-dir", type=Path, default=None,
-                    help="where converted models go (env KAITEN_MODELS_DIR, default ./models)")
-    ap.add_argument("--gguf", type=Path, default=None,
-                    help="convert this GGUF file into --out (no cache, no marker)")
-    ap.add_argument("--out", type=Path, default=None, help="output directory for --gguf")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("KAITEN_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.gguf is not None and args.out is None:
-        ap.error("--gguf needs --out")
-    from shared.model_source import resolve_model
-    try:
-        if args.gguf is not None:
-            print(convert_gguf(args.gguf, args.out))
-        else:
-            print(resolve_model(args.model if args.model is not None else os.environ.get("KAITEN_MODEL", ""),
-                                args.models_dir))
-    except (ValueError, OSError) as e:    # ModelNotFoundError among them: a file it cannot serve says why
-        print(f"kaiten convert: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

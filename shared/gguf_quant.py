@@ -22,6 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 FORMAT_VERSION = 1
+# The file a converted model keeps its quantized matrices in: safetensors (``load`` reads it), named
+# so that no tool globbing *.safetensors takes it for a weight shard of the model (vLLM did).
+QUANTIZED_FILE = "gguf_quantized.kaiten"
 INT4_GROUP = 32
 QK_K = 256
 

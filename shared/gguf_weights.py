@@ -1,6 +1,6 @@
 """A GGUF file's tensors as a Hugging Face model's weights: ``model.safetensors`` and, for the
 matrices stored in a type the engine multiplies as stored, the same matrices repacked without
-loss (``shared.gguf_quant``) into the sidecar (gguf_convert.QUANTIZED_FILE).
+loss (``shared.gguf_quant``) into the sidecar (gguf_quant.QUANTIZED_FILE).
 
 * F32, F16 and BF16 tensors are written as they are (an F32 file gives an fp32 model equal to the
   one it was made from); every other type is dequantized with ``gguf.quants.dequantize`` and

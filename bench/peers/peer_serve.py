@@ -213,10 +213,10 @@ def main() -> None:
 
 def hf_view(model_dir: str, tmp: Path) -> str:
     """The model folder as a Hugging Face one, for vLLM: links to its files in tmp/<its name>, less
-    the GGUF's matrices as stored (shared.gguf_convert.QUANTIZED_FILE). Since converter version 4
+    the GGUF's matrices as stored (shared.gguf_quant.QUANTIZED_FILE). Since converter version 4
     that file is no *.safetensors and vLLM leaves it alone; under version 3's name vLLM loaded it
     as weights of the model ("no parameter named 'embed_tokens.qweight'")."""
-    from shared.gguf_convert import QUANTIZED_FILE
+    from shared.gguf_quant import QUANTIZED_FILE
     view = tmp / Path(model_dir).name
     view.mkdir()
     for f in Path(model_dir).iterdir():

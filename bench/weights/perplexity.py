@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -157,8 +158,10 @@ def main() -> int:
             "isa": cpu_capability()[0], "int8_x_levels": int8_x_levels(8)}
     with tempfile.TemporaryDirectory() as models:
         os.environ["KAITEN_MODELS_DIR"] = models
-        engines = {"Kaiten quantized (auto)": LLM(str(gguf), quantization="auto", kv_cache_memory="256MiB")}
-        tokenizer = engines["Kaiten quantized (auto)"].tokenizer
+        # One engine at a time, a chunk a step: a 262k vocabulary's prompt logits are 1 MB a token.
+        kw = dict(kv_cache_memory="256MiB", max_num_batched_tokens=args.ctx)
+        first = LLM(str(gguf), quantization="auto", **kw)
+        tokenizer = first.tokenizer
         ids, chunks = text_chunks(tokenizer, args.ctx, args.chunks)
         if (args.llama_bin / "llama-tokenize").exists():
             used = len(chunks) * args.ctx           # llama-perplexity drops the file's last newline
@@ -166,22 +169,33 @@ def main() -> int:
             meta["same_tokens_as_llama_cpp"] = theirs[:used] == ids[:used]
             if not meta["same_tokens_as_llama_cpp"]:
                 raise SystemExit(f"llama.cpp tokenizes the text differently ({len(theirs)} vs {len(ids)} tokens)")
-        exact = LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True, kv_cache_memory="256MiB")
-        dequantize_exactly(exact)
-        engines["Kaiten, GGUF values dequantized exactly to fp32"] = exact
-        if int8_activations_built():
-            for name, rows in (("Kaiten quantized, projections' activations int8 (every row), fp32", 1 << 30),
-                               ("Kaiten quantized, projections' activations exact, fp32", None)):
+
+        def exact() -> LLM:
+            llm = LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True, **kw)
+            dequantize_exactly(llm)
+            return llm
+
+        def quantized_fp32(rows: int | None):
+            def make() -> LLM:
                 with int8_rows(rows):
-                    engines[name] = LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True,
-                                        kv_cache_memory="256MiB")
-        engines["Kaiten --quantization none (bf16 copy), fp32 compute"] = LLM(
-            str(gguf), quantization="none", dtype="float32", kv_cache_memory="256MiB")
+                    return LLM(str(gguf), quantization="auto", dtype="float32", enforce_eager=True, **kw)
+            return make
+        engines = {"Kaiten quantized (auto)": lambda: first,
+                   "Kaiten, GGUF values dequantized exactly to fp32": exact}
+        if int8_activations_built():
+            engines["Kaiten quantized, projections' activations int8 (every row), fp32"] = quantized_fp32(1 << 30)
+            engines["Kaiten quantized, projections' activations exact, fp32"] = quantized_fp32(None)
+        engines["Kaiten --quantization none (bf16 copy), fp32 compute"] = lambda: LLM(
+            str(gguf), quantization="none", dtype="float32", **kw)
         meta["tokens"], meta["chunks"] = len(ids), len(chunks)
-        lps = {}
-        for name, llm in engines.items():
+        lps, dtypes = {}, {}
+        for name, make in engines.items():
+            llm = make()
             lps[name] = scored_logprobs(llm, chunks)
-        dtypes = {name: str(llm.engine.runner.dtype).removeprefix("torch.") for name, llm in engines.items()}
+            dtypes[name] = str(llm.engine.runner.dtype).removeprefix("torch.")
+            del llm
+            first = None
+            gc.collect()
     rows = {name: {"ppl": perplexity(v), "scored": len(v), "dtype": dtypes[name]} for name, v in lps.items()}
     ref = lps["Kaiten, GGUF values dequantized exactly to fp32"]
     for name, v in lps.items():

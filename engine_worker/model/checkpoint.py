@@ -7,12 +7,12 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from shared.gguf_convert import QUANTIZED_FILE
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
-    """The model's *.safetensors weight files (Kaiten's quantized sidecar is not one)."""
-    files = sorted(p for p in Path(model_dir).glob("*.safetensors") if p.name != QUANTIZED_FILE)
+    """The model's *.safetensors weight files (Kaiten's quantized sidecar, shared.gguf_quant's
+    QUANTIZED_FILE, is not named as one)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     return files

@@ -21,7 +21,7 @@ from kernels.cpu_attention import cpp_attention_available
 from kernels.interface import AttentionMetadata, get_attention_backend
 from shared import gguf_quant
 from shared.config import EngineConfig, parse_memory
-from shared.gguf_convert import QUANTIZED_FILE
+from shared.gguf_quant import QUANTIZED_FILE
 from shared.gguf_quant import PackedWeight
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from shared import gguf_quant
-from shared.gguf_convert import QUANTIZED_FILE, convert_gguf
+from shared.gguf_convert import convert_gguf
+from shared.gguf_quant import QUANTIZED_FILE
 from shared.gguf_families import FAMILIES as CONVERTED, Source, family_for, hf_name
 from shared.gguf_rope import llama3_parameters
 from tests.support.family_models import (FAMILIES, ORIGINAL_CONTEXT, SENTENCEPIECE_FAMILIES, SEQ_LEN, WINDOW,

@@ -22,8 +22,6 @@ ALLOWED: dict[frozenset[str], str] = {
     frozenset({"kernels.interface", "kernels.cpu_attention", "kernels.flash_attention", "kernels.torch_attention",
                "kernels.triton_attention"}):
         "interface.py's backend factory imports the backends, which import its AttentionMetadata (kernels/: not this branch's)",
-    frozenset({"shared.gguf_convert", "shared.model_source"}):
-        "model_source converts a GGUF through gguf_convert, whose CLI resolves models through model_source (gguf_*: not this branch's)",
 }
 
 
