@@ -46,7 +46,6 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from shared.gguf_quant import QUANTIZED_FILE
 from shared.gguf_tokenizer import write_tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -304,7 +303,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": tokenizer.eos_token_ids or None,
            "pad_token_id": config["pad_token_id"]}
     _write_json(out_dir / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
-    convert_weights(reader, family, config, out_dir, QUANTIZED_FILE)
+    convert_weights(reader, family, config, out_dir)
     return out_dir
 
 

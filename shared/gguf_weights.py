@@ -80,9 +80,9 @@ def _minus_one(a: np.ndarray) -> np.ndarray:
     return (a.astype(np.float32) - np.float32(1)).astype(a.dtype)
 
 
-def convert_weights(reader, family: Family, config: dict, out_dir: Path, quantized_file: str) -> None:
+def convert_weights(reader, family: Family, config: dict, out_dir: Path) -> None:
     """Write model.safetensors and, where the file has matrices the engine serves as stored,
-    `quantized_file`."""
+    gguf_quant.QUANTIZED_FILE."""
     from shared import gguf_quant
     from shared.progress import Progress
 
@@ -114,7 +114,7 @@ def convert_weights(reader, family: Family, config: dict, out_dir: Path, quantiz
         raise ValueError(f"embedding shape {tuple(embed.shape)} does not match the metadata")
     save_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     if packed:
-        save_safetensors(gguf_quant.to_tensors(packed), out_dir / quantized_file,
+        save_safetensors(gguf_quant.to_tensors(packed), out_dir / gguf_quant.QUANTIZED_FILE,
                          metadata={"format": "pt", "kaiten_quant_format": str(gguf_quant.FORMAT_VERSION)})
     progress.finish()
 

@@ -114,14 +114,13 @@ def llama_cpp_gguf(model_dir: Path, out: Path) -> Path:
 def convert_model_only(gguf_file: Path, out: Path) -> Path:
     """What convert_gguf makes of a file, less the tokenizer: config.json and the weights."""
     from shared import gguf_convert
-    from shared.gguf_quant import QUANTIZED_FILE
     from shared.gguf_weights import convert_weights
 
     out.mkdir(parents=True, exist_ok=True)
     reader = gguf_convert._open_gguf(gguf_file)
     family, config = gguf_convert._model_config(gguf_convert._Meta(reader), reader)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    convert_weights(reader, family, config, out, QUANTIZED_FILE)
+    convert_weights(reader, family, config, out)
     return out
 
 
