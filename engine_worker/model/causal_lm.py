@@ -162,10 +162,11 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)
 
-    def use_quantized(self, packed: dict[str, PackedWeight], dtype: torch.dtype) -> None:
+    def use_quantized(self, packed: dict[str, PackedWeight], dtype: torch.dtype, deterministic: bool = True) -> None:
         """Swap the projections, the embedding and the output layer whose weights `packed` holds
         (by checkpoint module name, fused or every part) for quantized layers. Call before
-        load_weights, which then loads only their biases."""
+        load_weights, which then loads only their biases. deterministic: each row's output the
+        same whatever else is in the step (QuantLinear)."""
         for i, owner, p in self._owners():
             attr = p.path.rsplit(".", 1)[1]
             fused, parts = f"model.layers.{i}.{p.path}", [f"model.layers.{i}.{part}" for part in p.parts]
@@ -176,18 +177,18 @@ class CausalLM(nn.Module):
             else:
                 continue
             bias = getattr(owner, attr).bias
-            setattr(owner, attr, QuantLinear(weight, None if bias is None else bias.dtype))
+            setattr(owner, attr, QuantLinear(weight, None if bias is None else bias.dtype, deterministic))
         # The output layer takes int8 activations where the projections do, as llama.cpp computes it.
         # 2-core Zen 3, Q8_0 file, fp32: a 32-row decode step 0.95x the time with exact logits (79.4
         # against 83.4 ms), one row 0.98x; perplexity on GPL-3 18.373 against 18.347 (the exact
         # dequantization 18.299). Int8 logits turn SmolLM2's near tie on "What is the capital of
         # France?" to "L'Étoile...", as int8 projections in the prompt's rows do and llama-server does.
         if "model.embed_tokens" in packed:
-            self.embed_tokens = QuantEmbedding(QuantLinear(packed["model.embed_tokens"]), dtype)
+            self.embed_tokens = QuantEmbedding(QuantLinear(packed["model.embed_tokens"], None, deterministic), dtype)
             if self.lm_head is None:
                 self.lm_head = self.embed_tokens.table
         if "lm_head" in packed:
-            self.lm_head = QuantLinear(packed["lm_head"])
+            self.lm_head = QuantLinear(packed["lm_head"], None, deterministic)
 
     def use_bf16_weights(self) -> int:
         """Swap every nn.Linear and the nn.Embedding for layers that keep their weights in bf16 and

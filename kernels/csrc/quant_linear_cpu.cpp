@@ -40,7 +40,15 @@
 //   rows of x, multiplied by bf16 dot products (vdpbf16ps: 32 products per instruction, summed in
 //   fp32), twice the multiplies of an fp32 FMA.
 // Threads take the panels (and AMX tile blocks) in shrinking chunks from one queue (chunk_queue.h);
-// fewer rows, bound by memory, split the tiles in equal shares.
+// fewer rows, bound by memory, split the tiles in equal shares. Either way a thread computes whole
+// outputs, so threads never change a row's result.
+//
+// Batch invariance (issue #66): with int8_rows and min_dense_rows above any m (QuantLinear's
+// deterministic mode, the default) a call's method does not depend on m, so neither does a row's
+// output: int8 activations where the build has them and k % 32 == 0 (int8_block and the int8 panel
+// GEMM sum a row in the same order, bit for bit), else the fp32 registers (their per-block method
+// fixed by the format, kDequantFirst). Not with exact bf16 x on AVX512-BF16 (the bf16 dot products
+// from 3 rows).
 //
 // Each method in its own header under quant/: tiles.h (the layout, dequantizing, what all share),
 // registers.h (fp32 and bf16 x in registers), int8_x.h (x rounded to int8) with int8_block.h and

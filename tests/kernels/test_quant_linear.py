@@ -171,17 +171,19 @@ def test_int8_rows_come_before_the_dense_method(fmt, dtype):
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_picks_a_method_by_rows(fmt, dtype):
-    """QuantLinear multiplies int8-rounded activations up to INT8_ROWS[x's dtype] rows (where the
-    build can; every row for fp32 x), past that the exact activations in registers below
-    MIN_DENSE_ROWS and by the dense method from it."""
-    lin = layer(fmt, 37, 96)
+    """A deterministic QuantLinear (the default) multiplies int8-rounded activations in every row
+    (where the build can; else the exact activations in registers). deterministic=False: int8 up to
+    INT8_ROWS[x's dtype] rows (every row for fp32 x), past that the exact activations in registers
+    below MIN_DENSE_ROWS and by the dense method from it."""
+    lin, fast = layer(fmt, 37, 96), QuantLinear(packed(fmt, 37, 96), deterministic=False)
     dense = MIN_DENSE_ROWS[dtype]
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
     for m in sorted({1, 2, 3, 4, 8, 9, INT8_ROWS[torch.bfloat16], INT8_ROWS[torch.bfloat16] + 1, dense - 1, dense, dense + 9}):
         x = fresh_x(m, 96, 11).to(dtype)
-        int8 = m <= INT8_ROWS[dtype] and int8_activations_built()
-        expected = int8_reference(x, lin) if int8 else reference(x, lin).double()
-        torch.testing.assert_close(lin(x).double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+        for layer_, int8_rows in ((lin, NEVER), (fast, INT8_ROWS[dtype])):
+            int8 = m <= int8_rows and int8_activations_built()
+            expected = int8_reference(x, lin) if int8 else reference(x, lin).double()
+            torch.testing.assert_close(layer_(x).double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -8,56 +8,64 @@
 namespace kaiten::quant {
 
 #if defined(KAITEN_INT8_ACTIVATIONS)
-// A group's 4 weight rows fill NZ integer vectors, each row lanes_of_row(NZ) int32 lanes of them.
-constexpr int lanes_of_row(int nz) { return kIntLanes * nz / kTileRows; }
-
-// The row that each of those lanes' dots belongs to.
+// The 4 weight rows' int32 dots of a group, from the NZ vectors that hold them (row i in the i-th
+// quarter of their lanes, in order), as one vector: integer sums, exact in any order.
 template <int NZ>
-struct RowOfLane {
-  alignas(64) int32_t row[NZ][kIntLanes] = {};
-  constexpr RowOfLane() {
-    for (int j = 0; j < NZ; ++j)
-      for (int l = 0; l < kIntLanes; ++l) row[j][l] = (j * kIntLanes + l) / lanes_of_row(NZ);
+inline __m128i row_dots(const IVec (&dot)[NZ]) {
+  constexpr int H = NZ * kIntLanes / 8;   // 256-bit halves: 2 rows each (H = 2) or 1 (H = 4)
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256i h[H];
+  UNROLL
+  for (int j = 0; j < NZ; ++j) {
+    h[2 * j] = _mm512_castsi512_si256(dot[j]);
+    h[2 * j + 1] = _mm512_extracti64x4_epi64(dot[j], 1);
   }
-};
-template <int NZ>
-constexpr RowOfLane<NZ> kRowOfLane{};
+#else
+  const IVec (&h)[H] = dot;
+#endif
+  if constexpr (H == 2) {
+    const __m256i a = _mm256_hadd_epi32(h[0], h[1]);   // 128-bit halves: rows 0 0 2 2, 1 1 3 3
+    const __m256i b = _mm256_hadd_epi32(a, a);         // rows 0 2 0 2, 1 3 1 3
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  } else {
+    static_assert(H == 4, "a group's 4 rows fill 2 or 4 halves");
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(h[0], h[1]), _mm256_hadd_epi32(h[2], h[3]));   // rows 0 1 2 3 twice
+    return _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  }
+}
 
-// R rows of x (from r0) against a tile, into y[r][i].
+// R rows of x (from r0) against a tile, into y[r][i]. Each row's result is the int8 panel GEMM's
+// (int8_panel.h) bit for bit, so a row's output does not depend on which of the two serves the call
+// (issue #66): per group, each weight row's whole integer dot to fp32, times its scale times x's
+// block scale added by one FMA, then its min (with VNNI and int8 weights: less 128 times the scale,
+// the dot being of w + 128) times x's rounded group sum by another.
 template <typename I, int R>
 inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, int64_t r0, float (*y)[kTileRows]) {
   constexpr int G = I::kGroup;
   constexpr int NZ = kTileRows * I::kBytes / sizeof(IVec);   // vectors of a group's 4 rows
-  constexpr int L = lanes_of_row(NZ);
+  constexpr bool kBiased = panel_biased<I>();
   const uint8_t* mins = w.has_mins ? tile + w.scale_count() * w.scale_bytes : nullptr;
+  const bool with_mins = mins || kBiased;
   const uint8_t* q = w.ints(tile);
-  IVec row_of_lane[NZ];
+  __m128 acc[R];
   UNROLL
-  for (int j = 0; j < NZ; ++j) row_of_lane[j] = iload(kRowOfLane<NZ>.row[j]);
-  Vec acc[R][NZ];
-  __m128 macc[R];
-  UNROLL
-  for (int r = 0; r < R; ++r) {
-    macc[r] = _mm_setzero_ps();
-    UNROLL
-    for (int j = 0; j < NZ; ++j) acc[r][j] = Vec(0.f);
-  }
+  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const __m128 s4 = load4(tile, w.scale_bytes, g);
-    Vec sv[NZ];
-    UNROLL
-    for (int j = 0; j < NZ; ++j) sv[j] = spread4(s4, row_of_lane[j]);
     const uint8_t* qg = q + g * kTileRows * I::kBytes;
     prefetch_group<I>(qg);
     IVec wv[NZ];
     UNROLL
-    for (int j = 0; j < NZ; ++j) wv[j] = iload(qg + j * sizeof(IVec));
-    const __m128 m4 = mins ? load4(mins, w.scale_bytes, g) : _mm_setzero_ps();
+    for (int j = 0; j < NZ; ++j) {
+      wv[j] = iload(qg + j * sizeof(IVec));
+      if constexpr (kBiased) wv[j] = flip_sign_bits(wv[j]);
+    }
+    __m128 m4 = mins ? load4(mins, w.scale_bytes, g) : _mm_setzero_ps();
+    if constexpr (kBiased) m4 = _mm_sub_ps(m4, _mm_mul_ps(_mm_set1_ps(128.f), s4));
     UNROLL
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int8_t* xg = x.q.data() + row * x.k + g * G;
-      const Vec dx(x.d[(row * x.k + g * G) / 32]);
       IVec dot[NZ];
       if constexpr (I::kInt4) {
         const IVec x0 = bcast16(xg), x1 = bcast16(xg + 16);     // elements 0-15 (low nibbles), 16-31
@@ -65,29 +73,16 @@ inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, i
         for (int j = 0; j < NZ; ++j) dot[j] = dot_u4(low_nibbles(wv[j]), x0, high_nibbles(wv[j]), x1);
       } else {
         const IVec xb = G == 32 ? bcast32(xg) : bcast16(xg);
-        const IVec c = kVnni ? iload(x.corr.data() + (row * x.groups + g) * kIntLanes) : IVec{};
         UNROLL
-        for (int j = 0; j < NZ; ++j) dot[j] = dot_s8(c, wv[j], xb);
+        for (int j = 0; j < NZ; ++j) dot[j] = dot_s8(wv[j], xb);
       }
-      UNROLL
-      for (int j = 0; j < NZ; ++j) acc[r][j] = at::vec::fmadd(to_float(dot[j]), sv[j] * dx, acc[r][j]);
-      if (mins) macc[r] = _mm_fmadd_ps(m4, _mm_set1_ps(x.sums[row * x.groups + g]), macc[r]);
+      const __m128 dx = _mm_set1_ps(x.d[(row * x.k + g * G) / 32]);
+      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(row_dots(dot)), _mm_mul_ps(s4, dx), acc[r]);
+      if (with_mins) acc[r] = _mm_fmadd_ps(m4, _mm_set1_ps(x.sums[row * x.groups + g]), acc[r]);
     }
   }
   UNROLL
-  for (int r = 0; r < R; ++r) {
-    float lanes[NZ * VL], m[kTileRows];
-    UNROLL
-    for (int j = 0; j < NZ; ++j) acc[r][j].store(lanes + VL * j);
-    _mm_storeu_ps(m, macc[r]);
-    UNROLL
-    for (int i = 0; i < kTileRows; ++i) {
-      float sum = m[i];
-      UNROLL
-      for (int l = 0; l < L; ++l) sum += lanes[i * L + l];
-      y[r][i] = sum;
-    }
-  }
+  for (int r = 0; r < R; ++r) _mm_storeu_ps(y[r], acc[r]);
 }
 
 template <typename I, typename O>

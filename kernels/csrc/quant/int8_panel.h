@@ -29,11 +29,6 @@ namespace kaiten::quant {
 // int8_block, and the output is written in x's dtype.
 inline int64_t x_record_bytes(const Tiles& w) { return (w.k + 4 * (w.k / 32) + 4 * w.groups + 63) / 64 * 64; }
 
-// Whether the int8 panel holds mins: the weight's, or the VNNI bias of int8 weights (w + 128).
-template <typename I>
-constexpr bool panel_biased() { return kVnni && !I::kInt4; }
-template <typename I>
-bool panel_mins(const Tiles& w) { return w.has_mins || panel_biased<I>(); }
 // Whether the int8 panel meets x as unsigned x + 64: int8 weights without VNNI (7-bit x).
 template <typename I>
 constexpr bool x_unsigned() { return x_levels<I>() == 63; }

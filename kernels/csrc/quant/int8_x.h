@@ -15,13 +15,13 @@ namespace kaiten::quant {
 // signed bytes, summed by 4 into int32 lanes: by vpdpbusd with AVX512-VNNI (64 products an
 // instruction), else by vpmaddubsw and vpmaddwd (pairs into int16, then into int32). The 4 weight
 // rows of a tile's group load as whole vectors (16 bytes a row: int4, int8 groups of 16; else 32),
-// so each lane holds one weight row's part of the group's dot and takes that row's scale: per
-// group, the dots to fp32, times the rows' scales and x's block scale, into fp32 accumulators, and
-// the mins times the rounded x's group sums: so the result is the exact weight times the rounded
-// x, whose error is the weight's (centred) times x's rounding. (Mins times x's exact sums leave the
+// so each lane holds one weight row's part of the group's dot: per group, a row's lanes summed, to
+// fp32, times the row's scale and x's block scale, into an fp32 accumulator, and the mins times the
+// rounded x's group sums: so the result is the exact weight times the rounded x, whose error is the
+// weight's (centred) times x's rounding. (Mins times x's exact sums leave the
 // integers' (0 to 15) times the rounding: SmolLM2's Q4_1 perplexity with every row so was 18.53
-// against 18.30 exact.) int8 weights are signed: with VNNI they meet x as w + 128 (unsigned), less
-// 128 times x's bytes, the dot's starting value. Without VNNI x meets them rounded to 7 bits
+// against 18.30 exact.) int8 weights are signed: with VNNI they meet x as w + 128 (unsigned), and
+// their mins less 128 times their scales take that back (panel_biased). Without VNNI x meets them rounded to 7 bits
 // (levels 63, as PyTorch's fbgemm reduce_range does for the same instruction), so that the panel
 // can hold x as x + 64, unsigned, against w's signed bytes as they are (a pair's sum, 2 * 127 * 128,
 // fits int16): 2 instructions on the multiply pipes per 32 products, where x times w's sign against
@@ -30,8 +30,7 @@ struct Int8Rows {
   int64_t k, groups;
   std::vector<int8_t> q;      // [m][k]
   std::vector<float> d;       // [m][k / 32]: x ~ q * d
-  std::vector<float> sums;    // [m][groups]: sums of the rounded x over the weight's groups (with mins)
-  std::vector<int32_t> corr;  // VNNI, int8 weights: [m][groups][kIntLanes]: -128 * the 4 bytes of x each lane meets
+  std::vector<float> sums;    // [m][groups]: sums of the rounded x over the weight's groups (panel_mins)
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -44,8 +43,7 @@ inline IVec high_nibbles(IVec b) { return _mm512_and_si512(_mm512_srli_epi16(b, 
 inline IVec bcast16(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline IVec bcast32(const int8_t* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline Vec to_float(IVec v) { return Vec(_mm512_cvtepi32_ps(v)); }
-// Lane l of v4's 4 values as lanes[l], l < 16.
-inline Vec spread4(__m128 v4, IVec lanes) { return Vec(_mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(v4))); }
+inline IVec flip_sign_bits(IVec v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
 #else
 using IVec = __m256i;
 inline IVec iload(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -55,7 +53,7 @@ inline IVec high_nibbles(IVec b) { return _mm256_and_si256(_mm256_srli_epi16(b, 
 inline IVec bcast16(const int8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline IVec bcast32(const int8_t* p) { return iload(p); }
 inline Vec to_float(IVec v) { return Vec(_mm256_cvtepi32_ps(v)); }
-inline Vec spread4(__m128 v4, IVec lanes) { return Vec(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(v4), lanes)); }
+inline IVec flip_sign_bits(IVec v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
 #endif
 constexpr int kIntLanes = sizeof(IVec) / 4;
 #if defined(__AVX512VNNI__)
@@ -66,6 +64,13 @@ constexpr bool kVnni = false;
 // x's integer levels against weights I: 7 bits for int8 weights without VNNI, else 8.
 template <typename I>
 constexpr int x_levels() { return !I::kInt4 && !kVnni ? 63 : 127; }
+// Whether int8 weights meet x biased, as w + 128 (flip_sign_bits, VNNI), their mins less 128 times
+// their scales taking that back.
+template <typename I>
+constexpr bool panel_biased() { return kVnni && !I::kInt4; }
+// Whether a group's dot takes a min times x's group sum: the weight's, or that of panel_biased.
+template <typename I>
+bool panel_mins(const Tiles& w) { return w.has_mins || panel_biased<I>(); }
 
 // Each int32 lane's dot of unsigned bytes u0 with signed s0 and u1 with s1 (4 each), where every
 // product of u and s is at most 15 * 127 (int4 weights against x).
@@ -79,16 +84,16 @@ inline IVec dot_u4(IVec u0, IVec s0, IVec u1, IVec s1) {
 #endif
 }
 
-// Each int32 lane's dot of signed bytes w (int8 weights) with signed x (4 each), from acc (VNNI's corr).
-inline IVec dot_s8(IVec acc, IVec w, IVec x) {
+// Each int32 lane's dot of int8 weight bytes w with signed x (4 each): w + 128 with VNNI
+// (panel_biased), else signed.
+inline IVec dot_s8(IVec w, IVec x) {
 #if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), x);
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
 #elif defined(CPU_CAPABILITY_AVX512)
   const IVec sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx), _mm512_set1_epi16(1)));
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx), _mm512_set1_epi16(1));
 #else
-  const IVec p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
 #endif
 }
 
@@ -150,20 +155,10 @@ inline void scaled_group_sums(const int8_t* q, const float* d, int64_t count, fl
 
 template <typename I>
 Int8Rows quantize_rows(const Tiles& w, const float* x, int64_t m) {
-  constexpr int G = I::kGroup;
-  constexpr bool kCorr = !I::kInt4 && kVnni;
   Int8Rows r{w.k, w.groups, std::vector<int8_t>(m * w.k), std::vector<float>(m * w.k / 32),
-             std::vector<float>(w.has_mins ? m * w.groups : 0), std::vector<int32_t>(kCorr ? m * w.groups * kIntLanes : 0)};
+             std::vector<float>(panel_mins<I>(w) ? m * w.groups : 0)};
   round_blocks(x, m * w.k / 32, x_levels<I>(), r.q.data(), r.d.data());
-  scaled_group_sums<G>(r.q.data(), r.d.data(), static_cast<int64_t>(r.sums.size()), r.sums.data());
-#if defined(__AVX512VNNI__)
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
-  for (int64_t i = 0; i < static_cast<int64_t>(r.corr.size()) / kIntLanes; ++i) {
-    const int8_t* xg = r.q.data() + i * G;
-    const __m512i xb = G == 32 ? bcast32(xg) : bcast16(xg);
-    _mm512_storeu_si512(r.corr.data() + i * kIntLanes, _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, xb)));
-  }
-#endif
+  scaled_group_sums<I::kGroup>(r.q.data(), r.d.data(), static_cast<int64_t>(r.sums.size()), r.sums.data());
   return r;
 }
 #endif

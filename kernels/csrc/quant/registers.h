@@ -87,9 +87,10 @@ inline void scaled_block(const Tiles& w, const uint8_t* q, const TileScales& s, 
 
 // Dequantizing first pays once a group's integers meet more rows of x than the group has vectors:
 // per weight row and group, scaling each dot costs R * (kVecs + 1) FMAs, dequantizing first
-// kVecs + R * kVecs (and takes the min in the same FMA).
-template <typename I, int R>
-constexpr bool kDequantFirst = R > I::kVecs;
+// kVecs + R * kVecs (and takes the min in the same FMA). Chosen for a full block of rows, whatever
+// the rows of the call, so that a row's result does not depend on them (issue #66).
+template <typename I>
+constexpr bool kDequantFirst = kRowBlock > I::kVecs;
 
 // Each group dequantized first, the mins with it.
 template <typename I, int R, int NR>
@@ -172,17 +173,15 @@ inline std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64
 // fp32 x in registers, each block of rows by its method (kDequantFirst).
 template <typename I, typename O>
 void registers(const Tiles& w, const float* x, int64_t m, O* out) {
-  // x's sum over each group, kTileRows times over (the layout of a tile's mins), for add_mins,
-  // where a block (the first or the last) scales its dots
-  const int64_t first = std::min<int64_t>(m, kRowBlock), last = m - (m - 1) / kRowBlock * kRowBlock;
-  const bool sums = w.has_mins && (first <= I::kVecs || last <= I::kVecs);
+  // x's sum over each group, kTileRows times over (the layout of a tile's mins), for add_mins
+  const bool sums = w.has_mins && !kDequantFirst<I>;
   const std::vector<float> xsums = sums ? group_sums(x, m, w.k, I::kGroup) : std::vector<float>();
   over_tiles<float>(w, m, 0, out,
                     [&](const TileScales& s, const uint8_t* tile, float*, int64_t r0, int64_t rows, float(*y)[kTileRows]) {
     const uint8_t* q = w.ints(tile);
     const float* xr = x + r0 * w.k;
     with_rows_upto<kRowBlock>(rows, [&](auto R) {
-      if constexpr (kDequantFirst<I, R>) {
+      if constexpr (kDequantFirst<I>) {
         over_weight_rows<R>([&](auto NR, int i0) { dequantizing_block<I, R, NR>(w, q, s, i0, xr, y); });
       } else {
         over_weight_rows<R>([&](auto NR, int i0) { scaled_block<I, R, NR>(w, q, s, i0, xr, y); });
