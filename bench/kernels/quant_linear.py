@@ -2,7 +2,7 @@
 methods: registers with x exact, int8 activations where the build has them (a row at a time
 against each tile up to 8 rows, 16 on AVX-512, then the int8 panel GEMM), the dense method: its
 own bf16 GEMM for bf16 x on AVX512-BF16 without AMX, else dequantized chunks into at::mm) against
-the dense PackedLinear (oneDNN) in the same dtype and PyTorch's own
+the dense PackedLinear (oneDNN; F.linear for bf16 x on a CPU without native bf16) in the same dtype and PyTorch's own
 aten._weight_int4pack_mm_for_cpu / aten._weight_int8pack_mm (bf16 x).
 
 Each shape is timed as 30 copies (one per layer; the output layer once), so the weights stream
@@ -45,6 +45,15 @@ SHAPES = {"qkv 960x576": (960, 576, 30), "o 576x576": (576, 576, 30), "gate_up 3
           # multiply in a Zen 3's prefill, 1.0x on a Xeon; does the stride do it?)
           "gate_up+16 3088x576": (3088, 576, 30)}   # (N, K, copies)
 NEVER = 1 << 30     # min_dense_rows: registers always (0: dense chunks always)
+DENSE = "dense (dequantized)"   # the baseline: oneDNN on the prepacked weight, or F.linear where it has no bf16 path
+
+
+def dense_layer(w: torch.Tensor):
+    """The dense baseline on the dequantized weight: PackedLinear (oneDNN), or F.linear where the
+    CPU has no native bf16 for it (AVX2)."""
+    if PackedLinear.supported(torch.device("cpu"), w.dtype):
+        return PackedLinear(w, None)
+    return lambda x: torch.nn.functional.linear(x, w)
 
 
 def quantized(fmt: str, n: int, k: int, seed: int) -> PackedWeight:
@@ -59,7 +68,7 @@ def methods(fmt: str, weights: list[PackedWeight], dense: list[PackedLinear], m:
     layers = [QuantLinear(p) for p in weights]
     n, k = weights[0].shape
     x, xb = torch.randn(m, k).to(dtype), torch.randn(m, k).bfloat16()
-    out = {"oneDNN (dequantized)": lambda: [d(x) for d in dense],
+    out = {DENSE: lambda: [d(x) for d in dense],
            "quant_linear registers": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.tiles, *q.op_args, NEVER)
                                               for q in layers],
            "quant_linear dense method": lambda: [torch.ops.kaiten_cpu.quant_linear(x, q.tiles, *q.op_args, 0)
@@ -120,14 +129,14 @@ def main() -> int:
             n, k, copies = SHAPES[label]
             lines.append(f"\n## {fmt} {label} x{copies}\n")
             weights = [quantized(fmt, n, k, seed) for seed in range(copies)]
-            dense = [PackedLinear(torch.from_numpy(p.dequantize()).to(dtype), None) for p in weights]
+            dense = [dense_layer(torch.from_numpy(p.dequantize()).to(dtype)) for p in weights]
             for m in (int(r) for r in args.rows.split(",")):
                 fns = methods(fmt, weights, dense, m, dtype)
                 words = [w for w in args.methods.split(",") if w]
                 fns = {name: fn for name, fn in fns.items()
-                       if name.startswith("oneDNN") or not words or any(w in name for w in words)}
+                       if name == DENSE or not words or any(w in name for w in words)}
                 t = measure(fns, args.rounds)
-                base = t["oneDNN (dequantized)"]
+                base = t[DENSE]
                 if not lines[-1].startswith("|"):
                     lines += ["| rows | " + " | ".join(t) + " |", "|---:|" + "---:|" * len(t)]
                 gmac = m * n * k * copies / 1e6        # per ms

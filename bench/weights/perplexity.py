@@ -79,7 +79,10 @@ def dequantize_exactly(llm: LLM) -> None:
 @contextlib.contextmanager
 def int8_rows(rows: int | None):
     """quant_linear's int8-activation method for every row (rows None: for none): build the engine
-    inside (its layers keep INT8_ROWS as at construction)."""
+    inside (its layers keep INT8_ROWS as at construction). Deterministic layers (the default) take
+    int8 for every row or none, so a number of rows between is an error."""
+    if rows is not None and rows < quant_layers.NEVER:
+        raise ValueError(f"int8 activations up to {rows} rows: deterministic quantized layers take them in every row or none")
     saved = quant_layers.INT8_ROWS
     quant_layers.INT8_ROWS = {} if rows is None else {dtype: rows for dtype in saved}
     try:
