@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "tokenizer": ("tokenizer_service.service", "Run the tokenizer service"),
     "generate": ("engine_worker.engine.offline", "Generate offline, without Redis (the engine as a library)"),
     "convert": ("shared.convert_cli", "Convert the default model or a GGUF file into a model directory, once"),
+    "kernels": ("kernels.cpu_ops_build", "Build the C++ CPU ops for this CPU, once (setup.sh and the engine image do)"),
 }
 
 

@@ -333,7 +333,7 @@ def test_window_cases_poison_blocks(interp_results):
 
 
 def test_backend_registry_and_flash_attn_import_error():
-    from kernels.interface import get_attention_backend
+    from kernels.registry import get_attention_backend
     from kernels.flash_attention import FlashAttention
     from kernels.triton_attention import TritonAttention
     assert isinstance(get_attention_backend("triton"), TritonAttention)
