@@ -46,7 +46,7 @@ UNREAD_VARIABLES = {"KAITEN_DRAIN_TIMEOUT"}
 
 COMMANDS = [   # (command, module, how to get its parser, the config classes its flags fill)
     ("kaiten serve", "shared.launcher", "build_parser", ("EngineConfig", "GatewayConfig")),
-    ("kaiten engine", "engine_worker.worker", "build_parser", ("EngineConfig", "WorkerConfig")),
+    ("kaiten engine", "engine_worker.cli", "build_parser", ("EngineConfig", "WorkerConfig")),
     ("kaiten gateway", "gateway.cli", "build_parser", ("GatewayConfig",)),
     ("kaiten tokenizer", "tokenizer_service.service", "main", ("TokenizerServiceConfig",)),
     ("kaiten generate", "engine_worker.engine.offline", "main", ()),

@@ -263,7 +263,7 @@ def test_event_times_are_ordered(tiny_model_dir, prompts):
 
 def test_kv_cache_dtype_flag_reaches_the_engine():
     """`kaiten serve --kv-cache-dtype` is handed to the engine (not the gateway), whose config takes it."""
-    from engine_worker.worker import build_parser, configs_from_args
+    from engine_worker.cli import build_parser, configs_from_args
     from shared.launcher import build_parser as serve_parser
     from shared.up_flags import child_args
     args = serve_parser().parse_args(["--kv-cache-dtype", "float16"])

@@ -239,7 +239,7 @@ def test_lora_disabled(tiny_model_dir, adapters):
 
 
 def test_lora_config_and_flags(monkeypatch):
-    from engine_worker.worker import build_parser, configs_from_args
+    from engine_worker.cli import build_parser, configs_from_args
     args = build_parser().parse_args(["--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-cpu-loras", "5",
                                       "--max-lora-rank", "32"])
     cfg, _ = configs_from_args(args, resolve_model=False)

@@ -68,6 +68,7 @@ def test_a_build_killed_midway_is_finished_by_the_next_load(library, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == str(built / cpu_ops_build.LIBRARY)
     assert (built / ".kaiten-built").exists()
+    assert "[1/1]" in (built / "build.log").read_text()          # the link alone: no object compiled again
 
 
 def kernels_cli(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
