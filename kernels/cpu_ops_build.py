@@ -306,6 +306,3 @@ def main(argv: list[str] | None = None) -> int:
           f"{path}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
