@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_capability", "cpu_ops_available", "cpu_ops_error", "cpu_ops_loaded", "int8_activations_built",
-           "int8_x_levels", "kernel_digest", "kernel_files", "load_cpu_ops", "stage_files"]
+__all__ = ["compile_flags", "cpu_capability", "cpu_ops_available", "cpu_ops_error", "cpu_ops_loaded",
+           "int8_activations_built", "int8_x_levels", "kernel_digest", "kernel_files", "load_cpu_ops", "main",
+           "stage_files"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def cpu_capability() -> tuple[str, list[str]]:
     return isa, _ISA_FLAGS[isa]
 
 
-def _compile_flags(isa_flags: list[str]) -> list[str]:
+def compile_flags(isa_flags: list[str]) -> list[str]:
     """Every flag a translation unit is compiled with, but the include path (which names the venv)."""
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [*OPT_FLAGS, "-std=c++17", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *isa_flags]
@@ -174,10 +175,11 @@ def _ninja_file(cxx: str, cflags: list[str]) -> str:
 
 
 def _first_error(output: str) -> str:
-    """The line of a failed build that says what failed: the compiler's first error, else the last line."""
+    """The line of a failed build that says what failed: the compiler's or the linker's first
+    error, else the output's last line."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith("FAILED:")]
-    return (errors or lines or ["no output"])[0]
+    errors = [ln for ln in lines if not ln.startswith("FAILED:") and any(m in ln for m in ("error:", "ld: "))]
+    return errors[0] if errors else (lines or ["no output"])[-1]
 
 
 def _build(build_dir: Path, files: dict[str, bytes], cxx: str, cflags: list[str]) -> None:
@@ -197,7 +199,7 @@ def _library(cxx: str) -> Path:
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (apt-get install g++, or set CXX)")
     cap, isa_flags = cpu_capability()
-    cflags = _compile_flags(isa_flags)
+    cflags = compile_flags(isa_flags)
     files = kernel_files()
     build_dir = _build_dir(f"kaiten_cpu_ops_{cap}_{kernel_digest(files, cflags, cxx)}")
     if (build_dir / _BUILT).exists():          # no lock: a read-only cache (an image's) loads too

@@ -87,7 +87,8 @@ def main() -> int:
              "| tree | wall s | CPU s |", "|---|---:|---:|"]
     lines += [f"| {name} | {m['wall']:.1f} | {m['cpu']:.1f} |" for name, m in med.items()]
     base, tree = med[args.base], med["tree"]
-    lines.append(f"\nWorking tree / {args.base}: wall {tree['wall'] / base['wall']:.2f}, CPU {tree['cpu'] / base['cpu']:.2f}.")
+    lines.append(f"\nWorking tree / {args.base}: wall {tree['wall'] / base['wall']:.2f}, "
+                 f"CPU {tree['cpu'] / base['cpu']:.2f}.")
     write_results(RESULTS / args.out, {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
                                        "base": args.base, "runs": runs}, "\n".join(lines))
     return 0

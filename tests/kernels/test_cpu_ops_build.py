@@ -49,7 +49,7 @@ def test_checkouts_of_the_same_kernels_share_one_build(library, tmp_path):
     header = tmp_path / "kernels" / "csrc" / "quant" / "registers.h"
     header.write_text(header.read_text() + "\n// another kernel\n")
     other = run_python("from kernels import cpu_ops_build as b; "
-                       "print(b.kernel_digest(b.kernel_files(), b._compile_flags(b.cpu_capability()[1]), 'c++'))",
+                       "print(b.kernel_digest(b.kernel_files(), b.compile_flags(b.cpu_capability()[1]), 'c++'))",
                        tmp_path)
     assert other.returncode == 0, other.stderr[-2000:]
     assert other.stdout.strip() not in library.parent.name
@@ -96,3 +96,12 @@ def test_a_failed_compile_says_what_failed_in_one_line(tmp_path):
     assert "the build failed: src/argmax_cpu.cpp:3:1: error: this compiler is broken (log: " in line
     log = Path(line.rsplit("(log: ", 1)[1].rstrip(")"))
     assert log.is_file() and "this compiler is broken" in log.read_text()
+
+
+def test_the_line_of_a_failed_link_is_the_linkers():
+    output = ("ninja: Entering directory `build'\n[7/7] c++ obj/a.o -shared -o kaiten_cpu_ops.so\n"
+              "FAILED: kaiten_cpu_ops.so\nc++ obj/a.o -shared -lc10 -o kaiten_cpu_ops.so\n"
+              "/usr/bin/ld: cannot find -lc10: No such file or directory\n"
+              "collect2: error: ld returned 1 exit status\nninja: build stopped: subcommand failed.\n")
+    assert cpu_ops_build._first_error(output) == "/usr/bin/ld: cannot find -lc10: No such file or directory"
+    assert cpu_ops_build._first_error("something odd\nninja: build stopped.\n") == "ninja: build stopped."
