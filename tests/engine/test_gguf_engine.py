@@ -12,7 +12,7 @@ import torch
 from engine_worker import LLM, SamplingParams
 from engine_worker.model import quant_layers
 from engine_worker.model.quant_layers import QuantLinear
-from kernels.cpu_attention import cpp_attention_available, int8_x_levels
+from kernels.cpu_ops_build import cpu_ops_available, int8_x_levels
 from shared.gguf_convert import convert_gguf
 from tests.support.family_models import (FAMILIES, ORIGINAL_CONTEXT, SENTENCEPIECE_FAMILIES, WINDOW,
                                          build_family_model, convert_model_only, dequantized_gguf, llama_cpp_gguf,
@@ -61,7 +61,7 @@ def test_an_f32_file_gives_the_source_models_greedy_tokens(family, family_gguf, 
     assert ORIGINAL_CONTEXT < min(PROMPT_LENGTHS)
 
 
-@pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
+@pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
 @pytest.mark.parametrize("family", QUANTIZED_FAMILIES)
 def test_a_quantized_file_is_served_as_stored_as_its_dequantized_values(family, smollm2_dir, tmp_path):
     """Q4_K needs inputs in blocks of 256: a model with a hidden size of 256."""
