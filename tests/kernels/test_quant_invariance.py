@@ -12,11 +12,11 @@ import torch
 
 from engine_worker.model import quant_layers
 from engine_worker.model.quant_layers import QuantLinear
-from kernels.cpu_attention import cpp_attention_available, cpu_capability
+from kernels.cpu_ops_build import cpu_capability, cpu_ops_available
 from tests.kernels.test_quant_linear import CASES, fresh_x, packed
 from tests.support.isa_builds import assert_passes_in_isa_build
 
-pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
 
 # row counts across every switch the op had: int8_block's 8 or 16 rows, the panel's passes of 6 or
 # 12 and its tails, the registers' blocks of 4, the dense thresholds (12, 24, 64, 96)
