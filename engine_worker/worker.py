@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from engine_worker.consumer_id import choose_engine_id, default_engine_id
 from engine_worker.control import Controls
@@ -49,6 +50,7 @@ from engine_worker.metrics import EngineMetrics
 from engine_worker.orphan_watch import OrphanWatch
 from engine_worker.publisher import Outgoing, Publisher
 from engine_worker.engine.sampling_params import SamplingParams
+from engine_worker.startup_report import StartupReport
 from engine_worker.stream_reader import AbortReader, ControlReader, RequestReader
 from engine_worker.worker_stats import Counters, LatencyStats
 from shared import names
@@ -56,6 +58,7 @@ from shared.config import EngineConfig, WorkerConfig
 from shared.config_cli import add_config_flags, config_overrides
 from shared.log_format import add_log_flags, setup_logging
 from shared.redis_conn import min_socket_timeout_for_block, redis_client
+from shared.startup_stages import StartupStages
 
 log = logging.getLogger("kaiten.worker")
 
@@ -68,12 +71,14 @@ HANDOFF_REASON = {"pending": "restarted"}     # by entry source; a claimed entry
 class EngineWorker:
     """An ``LLMEngine`` fed from Redis. ``run()`` until ``stop()``."""
 
-    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, *, engine=None):
+    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, *, engine=None,
+                 startup: StartupReport | None = None):
         self.cfg = cfg = worker_config
         self.engine_config = engine_config
+        self.startup = startup                  # deleted once the engine serves
         if engine is None:
             from engine_worker.engine.llm_engine import LLMEngine
-            engine = LLMEngine(engine_config)
+            engine = LLMEngine(engine_config, None if startup is None else startup.stages)
         self.engine = engine
         self.model = cfg.served_model_name or engine.model_name     # the served name: its streams
         self.explicit_id = bool(cfg.engine_id)
@@ -174,6 +179,8 @@ class EngineWorker:
     def run(self) -> int:
         engine = self.engine
         self._connect()
+        if self.startup is not None:             # serving now (or stopping): no longer starting
+            self.startup.finish()
         if self._stop.is_set():
             self._shutdown()
             return 0
@@ -443,17 +450,26 @@ def main(argv: list[str] | None = None) -> int:
         return healthcheck(configs_from_args(args, resolve_model=False)[1])
     from shared.model_source import MODEL_ERRORS
     try:
-        ecfg, wcfg = configs_from_args(args)
-        ecfg.speculative()                 # a bad --speculative-config fails here, saying why
-        ecfg.lora_module_paths()           # and a bad --lora-modules entry
+        ecfg, wcfg = configs_from_args(args, resolve_model=False)
     except ValueError as e:
         print(f"kaiten engine: {e}", file=sys.stderr)
         return 2
+    stages = StartupStages(wcfg.served_model_name or (Path(ecfg.model).name if ecfg.model else ""))
+    startup = StartupReport(wcfg.redis_url, stages).start()   # from the first second: "starting"
     try:
-        worker = EngineWorker(ecfg, wcfg)
-    except MODEL_ERRORS as e:              # a model this engine cannot run (a rope type, ...)
+        with stages.stage("conversion"):   # a GGUF file or the default model, converted once
+            ecfg, wcfg = configs_from_args(args)
+        stages.set_model(wcfg.served_model_name or Path(ecfg.model).name)
+        ecfg.speculative()                 # a bad --speculative-config fails here, saying why
+        ecfg.lora_module_paths()           # and a bad --lora-modules entry
+        worker = EngineWorker(ecfg, wcfg, startup=startup)
+    except (ValueError, *MODEL_ERRORS) as e:    # a model this engine cannot run (a rope type, ...)
+        startup.finish()
         print(f"kaiten engine: {e}", file=sys.stderr)
         return 2
+    except BaseException:
+        startup.finish()
+        raise
     worker.install_signal_handlers()
     return worker.run()
 
