@@ -1,7 +1,8 @@
 """A starting engine's stages in Redis: a thread with its own connection SETs
 ``names.starting_key`` (TTL ``names.STARTING_TTL_S``) every second with the stages' snapshot,
-from the process's first second until the engine serves (``finish``: the key is deleted). Redis
-may be down or slow: the engine's start never waits for it."""
+from the process's first second until the engine serves. Then ``finish`` writes it once more,
+stage SERVING, to expire a few seconds later: a reader polling less often than the last stages
+passed still sees them all. Redis may be down or slow: the engine's start never waits for it."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,7 @@ import msgpack
 
 from shared import names
 from shared.redis_conn import redis_client
-from shared.startup_stages import StartupStages
+from shared.startup_stages import SERVING, StartupStages
 
 log = logging.getLogger("kaiten.worker")
 
@@ -46,12 +47,13 @@ class StartupReport:
             self._stop.wait(self.interval)
 
     def finish(self) -> None:
-        """Stop reporting and delete the key (the engine serves, or exits)."""
+        """Stop reporting; the key's last state is SERVING (the engine serves, or exits)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
+        self.stages.serving()
         try:
-            self._r.delete(self.key)
+            self.write()
         except Exception as e:
-            log.debug("could not delete the start-up report: %s", e)
+            log.debug("could not write the start-up report: %s", e)
         self._r.close()

@@ -66,7 +66,8 @@ GATEWAY_ALIVE_TTL_S = 1.5        # a gateway refreshes its key every GATEWAY_ALI
 
 def starting_key(instance: str) -> str:
     """Key (with a short TTL, refreshed) holding a starting engine's msgpack
-    ``shared.startup_stages.StartupState`` until it serves; then deleted."""
+    ``shared.startup_stages.StartupState`` until it serves; its last state (stage "serving")
+    expires on its own."""
     return f"{PREFIX}:engine-starting:{instance}"
 
 

@@ -3,7 +3,7 @@ times: what the engine is doing before it serves, for its log, the launcher and 
 
 The engine records them (``StartupStages.stage``); its start-up reporter
 (engine_worker/startup_report.py) publishes ``snapshot()`` under ``names.starting_key`` until the
-engine serves; ``kaiten serve`` prints them as they pass and a gateway answers 503
+engine serves (then SERVING, briefly); ``kaiten serve`` prints them as they pass and a gateway answers 503
 ``engines_starting`` while a model has starting engines and no live one."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 log = logging.getLogger("kaiten.startup")
 
+SERVING = "serving"         # the last state: the engine serves (or stopped starting)
 STAGE_TITLES = {"conversion": "model conversion", "kernels": "kernel build", "weights": "weights",
                 "kv_cache": "KV cache", "compilation": "compilation"}
 
@@ -25,7 +26,7 @@ class StartupState:
     """What a starting engine publishes: its model's served name, the stage it is in ("" between
     stages), when that stage began and the seconds each finished stage took, in order."""
     model: str
-    stage: str
+    stage: str                                 # "" between stages, SERVING at the end
     stage_started: float                       # time.time()
     started: float                             # time.time() when the engine process began
     done: list[tuple[str, float]] = field(default_factory=list)
@@ -33,6 +34,10 @@ class StartupState:
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "stage": self.stage, "stage_started": self.stage_started,
                 "started": self.started, "done": [list(d) for d in self.done]}
+
+    @property
+    def starting(self) -> bool:
+        return self.stage != SERVING
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StartupState:
@@ -73,6 +78,10 @@ class StartupStages:
                 self._state.stage = ""
                 self._state.done.append((name, seconds))
             log.info("start-up: %s took %.1f s", STAGE_TITLES.get(name, name), seconds)
+
+    def serving(self) -> None:
+        with self._lock:
+            self._state.stage, self._state.stage_started = SERVING, time.time()
 
     def snapshot(self) -> StartupState:
         with self._lock:
