@@ -47,7 +47,9 @@ class StartupReport:
             self._stop.wait(self.interval)
 
     def finish(self) -> None:
-        """Stop reporting; the key's last state is SERVING (the engine serves, or exits)."""
+        """Stop reporting; the key's last state is SERVING (the engine serves, or exits). Once."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)

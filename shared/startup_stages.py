@@ -45,9 +45,9 @@ class StartupState:
                    float(d.get("started", 0.0)), [(str(n), float(s)) for n, s in d.get("done", [])])
 
     def describe(self, now: float | None = None) -> str:
-        """'compilation, 12 s so far' (or 'starting' between stages)."""
+        """'compilation, 12 s so far' (or 'initialising' between stages)."""
         if not self.stage:
-            return "starting"
+            return "initialising"
         now = time.time() if now is None else now
         return f"{STAGE_TITLES.get(self.stage, self.stage)}, {max(0.0, now - self.stage_started):.0f} s so far"
 
@@ -66,7 +66,8 @@ class StartupStages:
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Times the block as stage `name` and logs it when it ends."""
+        """Times the block as stage `name`. Logged at debug level: `kaiten serve` logs the stages
+        it reads, and the stages log their own progress."""
         start = time.perf_counter()
         with self._lock:
             self._state.stage, self._state.stage_started = name, time.time()
@@ -77,7 +78,7 @@ class StartupStages:
             with self._lock:
                 self._state.stage = ""
                 self._state.done.append((name, seconds))
-            log.info("start-up: %s took %.1f s", STAGE_TITLES.get(name, name), seconds)
+            log.debug("start-up: %s took %.1f s", STAGE_TITLES.get(name, name), seconds)
 
     def serving(self) -> None:
         with self._lock:
