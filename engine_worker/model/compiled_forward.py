@@ -1,4 +1,7 @@
-"""The model forward compiled with torch.compile (Inductor's C++/OpenMP codegen) for the CPU.
+"""The model forward with its decoder layers compiled by torch.compile (Inductor's C++/OpenMP
+codegen) for the CPU: regional compilation, one graph per layer structure (graph_signature),
+traced and built once and called for every layer of that structure, so a cold start compiles one
+layer, not all of them. The embedding and the final norm run eagerly.
 
 Inductor fuses the elementwise work between the projections (RMSNorm, RoPE, SiLU * up, the
 residual adds); the projections and paged attention stay library calls. The KV write and paged
@@ -19,8 +22,8 @@ layer's K and V pool its own, made 67 for SmolLM2 and a one-stream decode step 1
 (bench/engine/graph_sizes.py).
 
 The graph's wrapper, which calls its kernels and ops in order, is C++ (Inductor's cpp_wrapper),
-not Python: a SmolLM2 step makes about 270 such calls, and made from C++ they leave a one-stream
-step 0.88x the time (Zen 4, Q8_0 weights, 7.6 against 8.7 ms), for about 30 s more of a cold start
+not Python: a SmolLM2 step makes about 270 such calls (9 a layer), and made from C++ they left a
+whole-model graph's one-stream step 0.88x the time (Zen 4, Q8_0 weights, 7.6 against 8.7 ms), for about 30 s more of a cold start
 (89 against 57 s from a new GGUF file).
 """
 from __future__ import annotations
