@@ -1,7 +1,7 @@
 """The model forward with its decoder layers compiled by torch.compile (Inductor's C++/OpenMP
 codegen) for the CPU: regional compilation, one graph per layer structure (graph_signature),
 traced and built once and called for every layer of that structure, so a cold start compiles one
-layer, not all of them. The embedding and the final norm run eagerly.
+layer, not all of them. The embedding, the step's rotary cos/sin and the final norm run eagerly.
 
 Inductor fuses the elementwise work between the projections (RMSNorm, RoPE, SiLU * up, the
 residual adds); the projections and paged attention stay library calls. The KV write and paged
@@ -161,12 +161,11 @@ def configure_inductor() -> None:
     torch._functorch.config.enable_autograd_cache = True
 
 
-def _layer(layer, ropes, x, pos, kv_cache, backend, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,
-           *lora_args):
-    """One decoder layer, its rotary tables taken from the step's positions inside the graph."""
+def _layer(layer, x, ropes, kv_cache, backend, cu_seqlens_q, seqlens_k, block_tables, slot_mapping, *lora_args):
+    """One decoder layer; `ropes`: the step's (cos, sin) of each rotary table, computed once a step."""
     meta = AttentionMetadata(cu_seqlens_q, seqlens_k, block_tables, slot_mapping, 0, 0)
     lora = LoraBatch(*lora_args) if lora_args else None
-    return layer(x, [rope(pos) for rope in ropes], kv_cache, meta, backend, lora)
+    return layer(x, ropes, kv_cache, meta, backend, lora)
 
 
 COMPILED_LAYER_CACHE: dict[tuple, Callable] = {}     # compiled copies of _layer by graph_signature
@@ -228,7 +227,7 @@ class CompiledForward:
 
     The layers' compiled function is traced and built once for every layer of one structure
     (graph_signature), not once for the whole model: the compile time does not grow with the
-    layers. The embedding and the final norm run eagerly around them.
+    layers. The embedding, the rotary cos/sin and the final norm run eagerly.
 
     A layer, its KV cache and the backend are arguments of the compiled function, not
     constants: the weights are graph inputs, so the other layers, and another engine with the
@@ -255,24 +254,25 @@ class CompiledForward:
                  lora: LoraBatch | None = None) -> torch.Tensor:
         model = self.model
         x = model.embed(ids)
+        ropes = [rope(pos, x.dtype) for rope in model.ropes]
         fns = self._fns.get(lora is not None)
         tracing = fns is None
         if tracing:
-            fns = self._fns[lora is not None] = self._first_call(pos, meta, lora)
+            fns = self._fns[lora is not None] = self._first_call(ropes, meta, lora)
         extra = () if lora is None else lora.args()
         args = (self.ops, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, meta.slot_mapping, *extra)
         with step_context(self.backend, meta):
             for layer, fn, kv_cache in zip(model.layers, fns, self.kv_caches):
                 if tracing:         # any layer may be the first of its structure, traced now
                     torch._dynamo.decorators.mark_unbacked(x, 0, shape_id="tokens")
-                x = fn(layer, model.ropes, x, pos, kv_cache, *args)
+                x = fn(layer, x, ropes, kv_cache, *args)
         return model.norm(x)
 
-    def _first_call(self, pos, meta: AttentionMetadata, lora: LoraBatch | None) -> tuple[Callable, ...]:
+    def _first_call(self, ropes, meta: AttentionMetadata, lora: LoraBatch | None) -> tuple[Callable, ...]:
         """Each layer's compiled function for steps of this kind. A graph, if this call traces
         it, takes the token count and the batch's shape as dynamic sizes, each tensor of the same
         length sharing one size (shape_id); later calls check nothing."""
-        for t in (pos, meta.slot_mapping):
+        for t in (meta.slot_mapping, *(t for cos_sin in ropes for t in cos_sin)):
             torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="tokens")
         for t in (meta.seqlens_k, meta.block_tables):
             torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="seqs")
