@@ -1,7 +1,7 @@
 """The model forward with its decoder layers compiled by torch.compile (Inductor's C++/OpenMP
-codegen) for the CPU: regional compilation, one graph per layer structure (graph_signature),
-traced and built once and called for every layer of that structure, so a cold start compiles one
-layer, not all of them. The embedding, the step's rotary cos/sin and the final norm run eagerly.
+codegen) for the CPU: regional compilation, one graph per structure of a region of consecutive
+layers (graph_signature), traced and built once and called for every region of that structure, so
+a cold start compiles a region, not the whole model. The embedding, the step's rotary cos/sin and the final norm run eagerly.
 
 Inductor fuses the elementwise work between the projections (RMSNorm, RoPE, SiLU * up, the
 residual adds); the projections and paged attention stay library calls. The KV write and paged
@@ -161,26 +161,36 @@ def configure_inductor() -> None:
     torch._functorch.config.enable_autograd_cache = True
 
 
-def _layer(layer, x, ropes, kv_cache, backend, cu_seqlens_q, seqlens_k, block_tables, slot_mapping, *lora_args):
-    """One decoder layer; `ropes`: the step's (cos, sin) of each rotary table, computed once a step."""
+# Consecutive layers compiled as one region. One layer a region compiles fastest, but every
+# compiled call costs Dynamo's and AOTAutograd's wrappers, and thirty a step took a one-stream
+# decode step's CPU time to 2.4x the whole model's (bench/results/step_cpu_ab/README.md).
+REGION_LAYERS = 6
+
+
+def _layers(layers, x, ropes, kv_caches, backend, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,
+            *lora_args):
+    """Consecutive decoder layers (a ModuleList); `ropes`: the step's (cos, sin) of each rotary
+    table, computed once a step."""
     meta = AttentionMetadata(cu_seqlens_q, seqlens_k, block_tables, slot_mapping, 0, 0)
     lora = LoraBatch(*lora_args) if lora_args else None
-    return layer(x, ropes, kv_cache, meta, backend, lora)
+    for layer, kv_cache in zip(layers, kv_caches):
+        x = layer(x, ropes, kv_cache, meta, backend, lora)
+    return x
 
 
-COMPILED_LAYER_CACHE: dict[tuple, Callable] = {}     # compiled copies of _layer by graph_signature
+COMPILED_LAYER_CACHE: dict[tuple, Callable] = {}     # compiled copies of _layers by graph_signature
 
 
 def compiled_layer_for(signature: tuple) -> Callable:
-    """_layer compiled for one graph_signature: a copy with its own code object, so Dynamo's
+    """_layers compiled for one graph_signature: a copy with its own code object, so Dynamo's
     cache for it holds that structure's graph alone and needs none of its guards (about 3,700
     checks of the weights, modules and inputs a SmolLM2 step, 0.8 ms of a 6 ms one-stream step).
     Layers of the same signature, in one model or in several, share the copy: their weights are
     graph inputs."""
     fn = COMPILED_LAYER_CACHE.get(signature)
     if fn is None:
-        code = _layer.__code__.replace(co_name=f"_layer_{len(COMPILED_LAYER_CACHE)}")
-        copy = types.FunctionType(code, _layer.__globals__, code.co_name)
+        code = _layers.__code__.replace(co_name=f"_layers_{len(COMPILED_LAYER_CACHE)}")
+        copy = types.FunctionType(code, _layers.__globals__, code.co_name)
         fn = torch.compile(copy, dynamic=False, fullgraph=True,
                            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True})
         COMPILED_LAYER_CACHE[signature] = fn
@@ -225,13 +235,14 @@ class CompiledForward:
     """model(input_ids, positions, kv_caches, meta, backend) with its decoder layers through
     torch.compile (regional compilation); call warm_up() once at start-up.
 
-    The layers' compiled function is traced and built once for every layer of one structure
-    (graph_signature), not once for the whole model: the compile time does not grow with the
-    layers. The embedding, the rotary cos/sin and the final norm run eagerly.
+    The layers run in regions of REGION_LAYERS consecutive layers; a region's compiled function
+    is traced and built once for every region of one structure (graph_signature), not once for
+    the whole model: the compile time does not grow with the layers beyond a region's. The
+    embedding, the rotary cos/sin and the final norm run eagerly.
 
-    A layer, its KV cache and the backend are arguments of the compiled function, not
-    constants: the weights are graph inputs, so the other layers, and another engine with the
-    same model config in this process, reuse the graph instead of compiling their own.
+    A region's layers, their KV caches and the backend are arguments of the compiled function,
+    not constants: the weights are graph inputs, so the other regions, and another engine with
+    the same model config in this process, reuse the graph instead of compiling their own.
 
     A step with adapter tokens passes its LoraBatch: a second graph, with the LoRA op, that
     warm_up(lora=True) compiles (the engine does when it gets its first adapter), so steps of
@@ -248,7 +259,10 @@ class CompiledForward:
         for k_cache, v_cache in kv_caches:
             torch._dynamo.decorators.mark_unbacked(k_cache, 0, shape_id="kv_blocks")
             torch._dynamo.decorators.mark_unbacked(v_cache, 0, shape_id="kv_blocks")
-        self._fns: dict[bool, tuple[Callable, ...]] = {}    # each layer's, by "the step has adapter tokens"
+        n = len(model.layers)
+        self.regions = [(torch.nn.ModuleList(model.layers[i:i + REGION_LAYERS]), kv_caches[i:i + REGION_LAYERS])
+                        for i in range(0, n, REGION_LAYERS)]
+        self._fns: dict[bool, tuple[Callable, ...]] = {}    # each region's, by "the step has adapter tokens"
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                  lora: LoraBatch | None = None) -> torch.Tensor:
@@ -262,14 +276,14 @@ class CompiledForward:
         extra = () if lora is None else lora.args()
         args = (self.ops, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, meta.slot_mapping, *extra)
         with step_context(self.backend, meta):
-            for layer, fn, kv_cache in zip(model.layers, fns, self.kv_caches):
-                if tracing:         # any layer may be the first of its structure, traced now
+            for (layers, kv_caches), fn in zip(self.regions, fns):
+                if tracing:         # any region may be the first of its structure, traced now
                     torch._dynamo.decorators.mark_unbacked(x, 0, shape_id="tokens")
-                x = fn(layer, x, ropes, kv_cache, *args)
+                x = fn(layers, x, ropes, kv_caches, *args)
         return model.norm(x)
 
     def _first_call(self, ropes, meta: AttentionMetadata, lora: LoraBatch | None) -> tuple[Callable, ...]:
-        """Each layer's compiled function for steps of this kind. A graph, if this call traces
+        """Each region's compiled function for steps of this kind. A graph, if this call traces
         it, takes the token count and the batch's shape as dynamic sizes, each tensor of the same
         length sharing one size (shape_id); later calls check nothing."""
         for t in (meta.slot_mapping, *(t for cos_sin in ropes for t in cos_sin)):
@@ -282,8 +296,8 @@ class CompiledForward:
             for t in (lora.token_index, lora.pad_index, lora.pad_rows):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
         model = self.model
-        return tuple(compiled_layer_for(graph_signature((layer, model.ropes), [kv_cache], self.ops, lora is not None))
-                     for layer, kv_cache in zip(model.layers, self.kv_caches))
+        return tuple(compiled_layer_for(graph_signature((layers, model.ropes), kv_caches, self.ops, lora is not None))
+                     for layers, kv_caches in self.regions)
 
     @torch.inference_mode()
     def warm_up(self, lora: bool = False) -> float:
@@ -310,6 +324,7 @@ class CompiledForward:
         self(ids, pos, meta, batch)
         seconds = time.perf_counter() - start
         graphs = len(set(self._fns[lora]))
-        log.info("compiled the model in %.1f s: %d layer graph%s for %d layers (Inductor cache: %s)", seconds,
-                 graphs, "" if graphs == 1 else "s", len(self._fns[lora]), os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        log.info("compiled the model in %.1f s: %d graph%s for %d regions of up to %d layers (Inductor cache: %s)",
+                 seconds, graphs, "" if graphs == 1 else "s", len(self.regions), REGION_LAYERS,
+                 os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds

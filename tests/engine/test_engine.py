@@ -99,11 +99,13 @@ def test_compiled_cpu_graph_calls_the_extension_ops(tiny_model_dir, prompts, exp
     assert not {op for op in ops if op.startswith("kaiten::")}
 
 
-def test_models_of_one_structure_share_one_compiled_forward(tiny_model_dir, prompts, expected):
+def test_models_of_one_structure_share_one_compiled_forward(tiny_model_dir, prompts, expected, monkeypatch):
     """The layers of a model, and the engines whose models have one structure, share a compiled
     layer (the weights are its inputs, and it checks no guards); a model with different weights, or another structure (a
     smaller KV block, the torch attention backend), gets the right tokens, the latter from a
     compiled forward of its own."""
+    from engine_worker.model import compiled_forward
+    monkeypatch.setattr(compiled_forward, "REGION_LAYERS", 1)      # a region a layer: the layers share one
     first, second = make_llm(tiny_model_dir), make_llm(tiny_model_dir)
     block, ops = make_llm(tiny_model_dir, block_size=8), make_llm(tiny_model_dir, attention_backend="torch")
     fns = [llm.engine.runner.compiled._fns[False] for llm in (first, second, block, ops)]

@@ -145,13 +145,15 @@ def test_blocks_held_are_bounded_by_the_window(tmp_path):
     assert_all_blocks_released(llm)
 
 
-def test_compiled_layers_take_one_graph_per_layer_structure(tmp_path):
-    """Regional compilation: a layer's graph is traced once per layer structure and called for
-    every layer of it. Gemma 3's sliding and full layers are two structures, the second traced
+def test_compiled_layers_take_one_graph_per_layer_structure(tmp_path, monkeypatch):
+    """Regional compilation: a region's graph is traced once per region structure and called for
+    every region of it. With a layer a region, Gemma 3's sliding and full layers are two structures, the second traced
     on the first's output; the compiled forward's hidden states of a step with a prefill and a
     decode equal the eager model's."""
+    from engine_worker.model import compiled_forward
     from kernels.interface import AttentionMetadata
 
+    monkeypatch.setattr(compiled_forward, "REGION_LAYERS", 1)      # a region a layer
     llm = make_llm(build_tiny_family(tmp_path, "gemma3"))
     runner = llm.engine.runner
     fns = runner.compiled._fns[False]
