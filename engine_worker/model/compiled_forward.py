@@ -162,8 +162,9 @@ def configure_inductor() -> None:
 
 
 # Consecutive layers compiled as one region. One layer a region compiles fastest, but every
-# compiled call costs Dynamo's and AOTAutograd's wrappers, and thirty a step took a one-stream
-# decode step's CPU time to 2.4x the whole model's (bench/results/step_cpu_ab/README.md).
+# compiled call costs Dynamo's and AOTAutograd's wrappers, and a call a layer made a one-stream
+# decode step far costlier than the whole model's graph; 6 is the trade-off measured in
+# bench/results/step_cpu_ab/README.md.
 REGION_LAYERS = 6
 
 
