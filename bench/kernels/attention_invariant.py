@@ -5,7 +5,8 @@ attention (9 query heads, 3 kv heads, head_dim 64, fp32 queries, blocks of 16), 
 each layer its own cache with a 3 MiB read between layers (bench/kernels/attention_ab.py's
 setup). The two alternate, the order reversed every round; medians of the rounds.
 
-    .venv/bin/python bench/kernels/attention_invariant.py [--threads 2,1] [--rounds 7] [--out NAME]
+    .venv/bin/python bench/kernels/attention_invariant.py [--threads 2,1] [--rounds 7] [--kinds decode,prefill]
+        [--out NAME]
 
 Writes bench/results/batch_invariance/<NAME>.md (default attention_invariant).
 """
@@ -37,8 +38,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default=f"{torch.get_num_threads()},1")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--kinds", default="decode,prefill", help="the steps to time")
     ap.add_argument("--out", default="attention_invariant")
     args = ap.parse_args()
+    cases = [c for c in CASES if c[0] in args.kinds.split(",")]
     load_extension()
     op = torch.ops.kaiten_cpu.paged_attention
     ops = {"invariant": lambda *a: op(*a, 0, True), "fastest": lambda *a: op(*a, 0, False)}
@@ -49,13 +52,13 @@ def main() -> None:
               for name, dt in CACHE_DTYPES.items()}
     flush = torch.randn(3 << 18)
     threads = [int(t) for t in args.threads.split(",")]
-    inputs = {case: step_args(*case[1:]) for case in CASES}
+    inputs = {case: step_args(*case[1:]) for case in cases}
     times: dict[tuple, list[float]] = {}
     for rnd in range(args.rounds + 1):                  # round 0 warms up
         order = list(ops.items()) if rnd % 2 else list(reversed(ops.items()))
         for n in threads:
             torch.set_num_threads(n)
-            for case in CASES:
+            for case in cases:
                 for cname in CACHE_DTYPES:
                     for name, fn in order:
                         ms = step_ms(fn, caches[cname], flush, inputs[case])
@@ -69,7 +72,7 @@ def main() -> None:
              "invariant / fastest.\n",
              "| threads | step | cache | fastest ms | invariant ms | ratio |", "|---:|---|---|---:|---:|---:|"]
     for n in threads:
-        for case in CASES:
+        for case in cases:
             kind, batch, new, ctx = case
             shape = f"{batch} x {ctx}" if kind == "decode" else f"{batch} x {new} tokens at {ctx}"
             for cname in CACHE_DTYPES:
