@@ -27,6 +27,14 @@
 // each over its context; the parts' unnormalised rows, maxima and sums are merged after
 // (split_decodes, combine_parts), so one stream's attention uses every core.
 //
+// Invariant (the `invariant` argument, --deterministic, the default): a row's result depends on its
+// own query, keys and values alone, not on the other rows of the call, its chunk or the threads,
+// so a request's tokens do not change with its batch, a prefix-cache hit, chunking or preemption.
+// Every row's S is the direct path's (qk_by_rows: prefill rows too, not the transposed tile's
+// products), a row's keys are reduced in segments of kSegKeys positions from 0, each from a fresh
+// online softmax, folded in order (fold_row), a split decode's parts are those segments folded the
+// same way, and no chunk goes to flash_attention. Its cost: bench/results/batch_invariance.
+//
 // A sliding window of W keys (the `window` argument, 0: none) gives each query row its own first
 // key, pos - W + 1: an item's key loop starts at its first row's (at the tile, or the block, holding
 // it), the rows mask the keys before theirs as they mask those after their position, and a split
