@@ -25,7 +25,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import RESULTS  # noqa: E402
 from bench.kernels.attention_ab import BLOCKS, BS, D, HKV, LAYERS, step_args, step_ms  # noqa: E402
 from engine_worker.model.host_memory import zeros_on_huge_pages  # noqa: E402
-from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability, load_cpu_ops  # noqa: E402
 
 # (kind, sequences, new tokens a sequence, context a sequence): c=1 decodes, where the split by
 # threads mattered, a 32-sequence decode step, prefill chunks
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--out", default="attention_invariant")
     args = ap.parse_args()
     cases = [c for c in CASES if c[0] in args.kinds.split(",")]
-    load_extension()
+    load_cpu_ops()
     op = torch.ops.kaiten_cpu.paged_attention
     ops = {"invariant": lambda *a: op(*a, 0, True), "fastest": lambda *a: op(*a, 0, False)}
     torch.manual_seed(0)
