@@ -258,7 +258,8 @@ def test_decode_groups_regardless_of_grouping_params():
     specs = rand_specs(rng, n_decode=40, n_prefill=2, max_ctx=300, bs=16)
     batched = dict(deterministic=False)     # the grouped plan (deterministic computes row by row)
     for backend in (TorchAttention(group_max_seqs=1, **batched), TorchAttention(group_max_seqs=10**6,
-                    group_min_fill=0.0, group_max_tokens=10**9, **batched), TorchAttention(group_max_tokens=16, **batched),
+                    group_min_fill=0.0, group_max_tokens=10**9, **batched),
+                    TorchAttention(group_max_tokens=16, **batched),
                     TorchAttention(group_max_seqs=3, group_min_fill=0.95, **batched)):
         run_case(Case(specs, 9, 3, 64, 16, torch.float32, 7), backend=backend)
 
@@ -380,7 +381,8 @@ def test_sliding_window_decode_groups_regardless_of_grouping_params():
     specs = rand_specs(rng, n_decode=40, n_prefill=2, max_ctx=300, bs=16)
     batched = dict(deterministic=False)
     for backend in (TorchAttention(group_max_seqs=1, **batched), TorchAttention(group_max_seqs=10**6,
-                    group_min_fill=0.0, group_max_tokens=10**9, **batched), TorchAttention(group_max_tokens=16, **batched)):
+                    group_min_fill=0.0, group_max_tokens=10**9, **batched),
+                    TorchAttention(group_max_tokens=16, **batched)):
         for window in (1, 40, 128):
             run_case(Case(specs, 9, 3, 64, 16, torch.float32, 8), backend=backend, window=window)
 
