@@ -28,15 +28,18 @@ def cpp_attention_available() -> bool:
 class CppAttention:
     """CPU paged attention through the fused C++ kernel's dispatcher ops (kaiten_cpu::...).
     Stateless, so one instance may serve several threads; the ops have fake kernels, so a compiled
-    model calls them directly (compile_safe), without a Python-defined op in between."""
+    model calls them directly (compile_safe), without a Python-defined op in between.
+    deterministic: each row's result independent of the batch, the chunking and the threads (the
+    kernel's `invariant`; docs/deterministic.md), else the fastest plan."""
 
     name = "cpu"
     cuda_graph_safe = False
     compile_safe = True
     any_kv_dtype = True         # fp32 or bf16 queries; an fp32, bf16 or fp16 cache
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = True) -> None:
         load_cpu_ops()
+        self.deterministic = deterministic
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -45,14 +48,15 @@ class CppAttention:
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
         out = torch.ops.kaiten_cpu.paged_attention(_kernel_q(q), k_cache, v_cache, *_metadata(meta), float(scale),
-                                                   int(window))
+                                                   int(window), self.deterministic)
         return out.to(q.dtype)
 
     def write_kv_and_attention(self, q, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                                window: int = 0):
         """One op, kaiten_cpu::write_kv_attention."""
         kv = _kv_args(key, value, k_cache, v_cache, meta.slot_mapping)
-        out = torch.ops.kaiten_cpu.write_kv_attention(_kernel_q(q), *kv, *_metadata(meta), float(scale), int(window))
+        out = torch.ops.kaiten_cpu.write_kv_attention(_kernel_q(q), *kv, *_metadata(meta), float(scale), int(window),
+                                                      self.deterministic)
         return out.to(q.dtype)
 
 

@@ -236,12 +236,13 @@ def load_cpu_ops() -> Path:
 def _register_fakes() -> None:
     """Shapes of the library's dispatcher ops (kaiten_cpu::...) for torch.compile's tracing."""
     torch.library.register_fake("kaiten_cpu::paged_attention")(
-        lambda q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, window=0: torch.empty_like(q))
+        lambda q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, window=0, invariant=True:
+        torch.empty_like(q))
     torch.library.register_fake("kaiten_cpu::write_kv")(
         lambda key, value, k_cache, v_cache, slot_mapping: None)
     torch.library.register_fake("kaiten_cpu::write_kv_attention")(
-        lambda q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seqlens_k, block_tables, scale, window=0:
-        torch.empty_like(q))
+        lambda q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seqlens_k, block_tables, scale, window=0,
+        invariant=True: torch.empty_like(q))
     torch.library.register_fake("kaiten_cpu::packed_linear")(
         lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
     torch.library.register_fake("kaiten_cpu::quant_linear")(

@@ -11,9 +11,11 @@ from kernels.interface import AttentionBackend
 __all__ = ["get_attention_backend"]
 
 
-def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
+def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu",
+                          deterministic: bool = True) -> AttentionBackend:
     """'auto' picks flash-attn, then Triton, on CUDA; on the CPU the fused C++ kernel ('cpu') when
-    it builds here, else torch (the reference, always selectable by name)."""
+    it builds here, else torch (the reference, always selectable by name). deterministic: the CPU
+    backends compute each row independently of the rest of the call (docs/deterministic.md)."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cuda":
@@ -26,10 +28,10 @@ def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu"
             name = "cpu" if cpu_ops_available() else "torch"
     if name == "cpu":
         from kernels.cpu_attention import CppAttention
-        return CppAttention()
+        return CppAttention(deterministic)
     if name == "torch":
         from kernels.torch_attention import TorchAttention
-        return TorchAttention()
+        return TorchAttention(deterministic=deterministic)
     if name == "triton":
         from kernels.triton_attention import TritonAttention
         return TritonAttention()

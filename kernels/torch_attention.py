@@ -95,7 +95,11 @@ class TorchAttention(TwoCalls):
     any_kv_dtype = True         # the gathered K/V are converted to the queries' dtype
 
     def __init__(self, group_max_seqs: int = 8, group_min_fill: float = 0.8,
-                 group_max_tokens: int = 8192) -> None:
+                 group_max_tokens: int = 8192, deterministic: bool = True) -> None:
+        # deterministic: one SDPA call per query token over exactly its own keys, so its result
+        # depends on that row alone (the grouped calls' padding and tiling depend on the batch).
+        # Slower: a call per token and layer (docs/deterministic.md).
+        self.deterministic = deterministic
         # Decode grouping: a group takes sequences (sorted by length, longest first) while the
         # shortest is at least `group_min_fill` of the group's padded length, there are at most
         # `group_max_seqs` of them, and the group's padded tokens stay within `group_max_tokens`
@@ -148,6 +152,8 @@ class TorchAttention(TwoCalls):
         out = torch.empty((num_tokens, hq, d), dtype=q.dtype, device=q.device)
         if num_tokens == 0:
             return out
+        if self.deterministic:
+            return self._per_row(q, k_cache, v_cache, meta, scale, int(window), out)
 
         plan = self._get_plan(meta, block_size, q.device, q.dtype, int(window))
         kbuf, vbuf = self._workspace(plan.max_gather_blocks, k_cache)
@@ -191,6 +197,32 @@ class TorchAttention(TwoCalls):
                                                    enable_gqa=group > 1)
             out[p.q_start: p.q_start + p.q_len] = o[0].transpose(0, 1)
 
+        return out
+
+    @staticmethod
+    def _per_row(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int,
+                 out: torch.Tensor) -> torch.Tensor:
+        """Each query token alone against its own keys: [1, Hkv, G, D] x [1, Hkv, keys, D]."""
+        _, block_size, hkv, d = k_cache.shape
+        group = q.shape[1] // hkv
+        qlens = meta.seqlens_q_list or torch.diff(meta.cu_seqlens_q).tolist()
+        klens = meta.seqlens_k_list or meta.seqlens_k.tolist()
+        tables = meta.block_tables.tolist()
+        start = 0
+        for q_len, ctx, table in zip(qlens, klens, tables):
+            if ctx == 0:
+                out[start: start + q_len] = 0
+            for j in range(q_len if ctx else 0):
+                pos = ctx - q_len + j
+                first = _first_key(pos, window)
+                b0, b1 = first // block_size, pos // block_size + 1
+                blocks = torch.tensor(table[b0:b1], dtype=torch.long, device=q.device)
+                keys = slice(first - b0 * block_size, pos + 1 - b0 * block_size)
+                k = k_cache.index_select(0, blocks).flatten(0, 1)[keys].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                v = v_cache.index_select(0, blocks).flatten(0, 1)[keys].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                o = F.scaled_dot_product_attention(q[start + j].view(1, hkv, group, d), k, v, scale=scale)
+                out[start + j] = o.view(-1, d)
+            start += q_len
         return out
 
     # ------------------------------------------------------------------ helpers

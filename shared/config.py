@@ -155,6 +155,8 @@ class EngineConfig(_EnvConfig):
     enable_prefix_caching: bool = True
     pack_cpu_weights: bool = True        # CPU fp32: projections on oneDNN-packed weights (faster decode)
     attention_backend: str = "auto"      # auto | cpu (C++) | torch | triton | flash_attn
+    deterministic: bool = True           # batch-invariant numerics: a request's tokens do not depend
+                                         # on its batch, chunks or prefix hits (docs/deterministic.md)
     offline: bool = False                # the offline LLM (throughput) rather than a server (latency)
     speculative_config: str = ""         # JSON, as vLLM's --speculative-config; "": no speculation
     lora_modules: list[str] = dataclasses.field(default_factory=list)   # LoRA adapters served from

@@ -19,24 +19,28 @@ from torch import nn
 # step's projections, in registers is ahead through 96 rows (per shape: ahead on 2 of 5 at 64, on
 # 3 of 5 at 96), behind on every shape at 128 (bench/results/bf16_linear/bf16_linear.md).
 MIN_DENSE_ROWS = 96
+ALWAYS_IN_REGISTERS = 2**62      # min_dense_rows that no call reaches
 
 
 class Bf16Linear(nn.Module):
     """y = x W^T + b with W kept in bf16 and x, y, b in fp32. CPU only; needs the C++ extension.
-    `weight` may be shared with a Bf16Embedding (a tied output layer)."""
+    `weight` may be shared with a Bf16Embedding (a tied output layer). deterministic: every row in
+    registers, computed the same whatever the number of rows (at::mm's blocking depends on it)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, weight: nn.Parameter | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, weight: nn.Parameter | None = None,
+                 deterministic: bool = True):
         super().__init__()
+        self.min_dense_rows = ALWAYS_IN_REGISTERS if deterministic else MIN_DENSE_ROWS
         self.weight = weight if weight is not None else nn.Parameter(
             torch.empty(out_features, in_features, dtype=torch.bfloat16), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     @classmethod
-    def like(cls, linear: nn.Linear) -> "Bf16Linear":
-        return cls(linear.in_features, linear.out_features, linear.bias is not None)
+    def like(cls, linear: nn.Linear, deterministic: bool = True) -> "Bf16Linear":
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, deterministic=deterministic)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kaiten_cpu.bf16_linear(x, self.weight, self.bias, MIN_DENSE_ROWS)
+        return torch.ops.kaiten_cpu.bf16_linear(x, self.weight, self.bias, self.min_dense_rows)
 
 
 class Bf16Embedding(nn.Module):

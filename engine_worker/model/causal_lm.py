@@ -190,21 +190,23 @@ class CausalLM(nn.Module):
         if "lm_head" in packed:
             self.lm_head = QuantLinear(packed["lm_head"], None, deterministic)
 
-    def use_bf16_weights(self) -> int:
+    def use_bf16_weights(self, deterministic: bool = True) -> int:
         """Swap every nn.Linear and the nn.Embedding for layers that keep their weights in bf16 and
         compute in fp32 (a tied output layer shares the embedding's bf16 table). Call before
-        load_weights, which fills them as it would the originals. Returns the matrices swapped."""
+        load_weights, which fills them as it would the originals. Returns the matrices swapped.
+        deterministic: every row in registers (Bf16Linear.deterministic)."""
         swapped = 0
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(module, name, Bf16Linear.like(child))
+                    setattr(module, name, Bf16Linear.like(child, deterministic))
                     swapped += 1
         if isinstance(self.embed_tokens, nn.Embedding):
             self.embed_tokens = Bf16Embedding(self.cfg.vocab_size, self.cfg.hidden_size)
             swapped += 1
             if self.lm_head is None:
-                self.lm_head = Bf16Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.embed_tokens.weight)
+                self.lm_head = Bf16Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.embed_tokens.weight,
+                                          deterministic)
         return swapped
 
     # ---- loading --------------------------------------------------------------------------------

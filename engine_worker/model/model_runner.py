@@ -72,7 +72,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, gemm_shapes(self.model_config))
         with stage(stages, "kernels"):          # "auto" on the CPU builds the C++ kernels on first use
-            self.backend = get_attention_backend(config.attention_backend, self.device)
+            self.backend = get_attention_backend(config.attention_backend, self.device, config.deterministic)
         self.block_size = getattr(self.backend, "REQUIRED_BLOCK_SIZE", None) or config.block_size
         if self.block_size != config.block_size:
             log.warning("attention backend %s needs block_size %d (configured %d); using %d",
@@ -112,13 +112,15 @@ class ModelRunner:
         packed = self._quantized_weights(model_dir)
         self._quantized = bool(packed)          # the KV cache's "auto" dtype depends on it
         if packed:
-            self.model.use_quantized(packed, self.dtype)
+            self.model.use_quantized(packed, self.dtype, config.deterministic)
         if self._keep_bf16(model_dir):
             log.info("%d matrices kept in bf16 as stored, widened to fp32 in the kernel",
-                     self.model.use_bf16_weights())
+                     self.model.use_bf16_weights(config.deterministic))
         self.model.load_weights(model_dir)
         self.model.eval()
-        if config.pack_cpu_weights and PackedLinear.supported(self.device, self.dtype):
+        # deterministic packs regardless: oneDNN's GEMM on packed weights computes a row the same
+        # whatever the rows beside it, MKL's on plain ones does not (bench/results/batch_invariance)
+        if (config.pack_cpu_weights or config.deterministic) and PackedLinear.supported(self.device, self.dtype):
             self.model.pack_for_cpu()
         if self.device.type == "cpu":
             onto_huge_pages(self.model)

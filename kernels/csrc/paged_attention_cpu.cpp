@@ -27,6 +27,14 @@
 // each over its context; the parts' unnormalised rows, maxima and sums are merged after
 // (split_decodes, combine_parts), so one stream's attention uses every core.
 //
+// Invariant (the `invariant` argument, --deterministic, the default): a row's result depends on its
+// own query, keys and values alone, not on the other rows of the call, its chunk or the threads,
+// so a request's tokens do not change with its batch, a prefix-cache hit, chunking or preemption.
+// Every row's S is the direct path's (qk_by_rows: prefill rows too, not the transposed tile's
+// products), a row's keys are reduced in segments of kSegKeys positions from 0, each from a fresh
+// online softmax, folded in order (fold_row), a split decode's parts are those segments folded the
+// same way, and no chunk goes to flash_attention. Its cost: bench/results/batch_invariance.
+//
 // A sliding window of W keys (the `window` argument, 0: none) gives each query row its own first
 // key, pos - W + 1: an item's key loop starts at its first row's (at the tile, or the block, holding
 // it), the rows mask the keys before theirs as they mask those after their position, and a split
@@ -98,6 +106,7 @@ struct SplitGroup {
 // Per-thread fp32 scratch. Padding columns [d, dp) stay zero for the lifetime of the buffers.
 struct Scratch {
   std::vector<float> q, o, kf, kt, vf, s, p, lsum, m, corr;
+  std::vector<float> fo, fm, fl;           // the segments folded so far: output rows, max, sum (fold_row)
   std::vector<c10::BFloat16> qb;           // unscaled bf16 query rows (bf16 dot products)
   std::vector<uint32_t> kt2;               // K tile as bf16 pairs [dp / 2][KT] (bf16 dot products)
   std::vector<uint32_t> pp;                // P as bf16 pairs [rows][KT / 2] (bf16 dot products)
@@ -108,7 +117,7 @@ struct Scratch {
   Scratch(int64_t rows, int64_t d, int64_t dp)
       : q(rows * dp, 0.f), o(rows * dp, 0.f), kf(KT * dp, 0.f), kt(dp * KT, 0.f),
         vf(KT * dp, 0.f), s(rows * KT, 0.f), p(rows * KT, 0.f), lsum(rows * KT, 0.f),
-        m(rows, kNegInf), corr(rows, 1.f), qb(rows * dp), kt2(dp / 2 * KT, 0), pp(rows * KT / 2, 0), pos(rows, 0),
+        m(rows, kNegInf), corr(rows, 1.f), fo(rows * dp, 0.f), fm(rows, kNegInf), fl(rows, 0.f), qb(rows * dp), kt2(dp / 2 * KT, 0), pp(rows * KT / 2, 0), pos(rows, 0),
         lo(rows, 0), first(rows, 0), valid(rows, 0), rows(rows), d(d), dp(dp) {}
 };
 
@@ -578,6 +587,8 @@ struct Inputs {
   float* part_o;                           // [part][RB][dp] unnormalised output rows
   float* part_m;                           // [part][RB] running max
   float* part_l;                           // [part][RB] sum of exp(s - max)
+  int64_t seg_keys;                        // keys per segment (fold_row), from position 0
+  bool invariant;                          // every row's S the decode way (qk_by_rows)
 };
 
 // Loads the K tile transposed into w.kt [dp][KT] (keys past nk: stale, masked later).
@@ -628,6 +639,32 @@ inline void row_of(const WorkItem& it, const Geometry& g, int64_t r, int64_t* to
   *head = (it.kv_head + r / per_kv) * g.group + rem % g.group;
 }
 
+// A segment's running state: no keys seen.
+inline void reset_segment(Scratch& w, int64_t rows, int64_t dp) {
+  std::fill(w.o.begin(), w.o.begin() + rows * dp, 0.f);
+  std::fill(w.lsum.begin(), w.lsum.begin() + rows * KT, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+}
+
+// ------------------------------------------------------------------------------ segments
+constexpr int64_t kSegKeys = 128;                           // keys per segment, invariant
+constexpr int64_t kNoSegments = std::numeric_limits<int64_t>::max() / 2;   // otherwise: one segment
+// A row's keys are reduced in segments of seg_keys keys from position 0: each segment by the
+// online softmax over its tiles from a fresh state, then folded into the row's result in key
+// order by fold_row. A split decode's parts are whole segments folded in the same order by
+// combine_parts, so a row's result is the same split or not, whatever the threads and the batch.
+// One out-of-line function for both, so the compiler cannot contract them differently.
+__attribute__((noinline)) void fold_row(float* fo, float* fm, float* fl, const float* o, float m, float l,
+                                        int64_t dp) {
+  if (m == kNegInf) return;                  // no key of the segment visible to the row
+  const float mx = std::max(*fm, m);
+  const float a = std::exp(*fm - mx), b = std::exp(m - mx);    // a = 0 for the first segment
+  const Vec av(a), bv(b);
+  for (int64_t i = 0; i < dp; i += VL) at::vec::fmadd(Vec::loadu(o + i), bv, Vec::loadu(fo + i) * av).store(fo + i);
+  *fl = std::fma(l, b, *fl * a);
+  *fm = mx;
+}
+
 // Query rows, pre-scaled, into w.q; resets state.
 template <typename T, typename C>
 inline void init_rows(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
@@ -642,9 +679,10 @@ inline void init_rows(const Inputs<T, C>& in, const WorkItem& it, const Geometry
     for (int64_t i = 0; i < g.d; ++i) dst[i] = static_cast<float>(src[i]) * in.scale;
     if constexpr (std::is_same_v<T, c10::BFloat16>) std::copy(src, src + g.d, w.qb.data() + r * g.dp);
   }
-  std::fill(w.o.begin(), w.o.begin() + rows * g.dp, 0.f);
-  std::fill(w.lsum.begin(), w.lsum.begin() + rows * KT, 0.f);
-  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+  reset_segment(w, rows, g.dp);
+  std::fill(w.fo.begin(), w.fo.begin() + rows * g.dp, 0.f);
+  std::fill(w.fm.begin(), w.fm.begin() + rows, kNegInf);
+  std::fill(w.fl.begin(), w.fl.begin() + rows, 0.f);
 }
 
 // Whether the item's products are bf16 dot products (AVX512-BF16, bf16 queries and cache, head_dim % 32).
@@ -671,10 +709,10 @@ inline float row_sum(const float* l) {
   return sum;
 }
 
-// The item's rows into the output, or, for a part of a split decode, unnormalised into in.part_o/m/l.
+// The end of a segment: its rows folded into w.fo/fm/fl or, for a part of a split decode (one
+// segment), left unnormalised in in.part_o/m/l; then a fresh state for the next.
 template <typename T, typename C>
-inline void store_rows(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scratch& w, bool dot) {
-  const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
+inline void end_segment(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scratch& w) {
   const int64_t rows = item_rows(it, g);
   for (int64_t r = 0; r < rows; ++r) {
     const float* o = w.o.data() + r * g.dp;
@@ -683,15 +721,26 @@ inline void store_rows(const Inputs<T, C>& in, const WorkItem& it, const Geometr
       std::copy(o, o + g.dp, in.part_o + (it.part * RB + r) * g.dp);
       in.part_m[it.part * RB + r] = w.m[r];
       in.part_l[it.part * RB + r] = sum;
-      continue;
+    } else {
+      fold_row(w.fo.data() + r * g.dp, &w.fm[r], &w.fl[r], o, w.m[r], sum, g.dp);
     }
+  }
+  reset_segment(w, rows, g.dp);
+}
+
+// The item's folded rows, normalised, into the output (a split decode's parts: combine_parts).
+template <typename T, typename C>
+inline void store_rows(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scratch& w, bool dot) {
+  if (it.part >= 0) return;
+  const int64_t q0 = in.cu_seqlens_q[it.seq] + it.q_begin;
+  for (int64_t r = 0; r < item_rows(it, g); ++r) {
     int64_t tok, head;
     row_of(it, g, r, &tok, &head);
-    store_row(o, 1.f / sum, in.out + ((tok + q0) * g.hq + head) * g.d, g, dot);
+    store_row(w.fo.data() + r * g.dp, 1.f / w.fl[r], in.out + ((tok + q0) * g.hq + head) * g.d, g, dot);
   }
 }
 
-// Each split decode's rows: the parts' outputs rescaled to their common max, summed, normalised.
+// Each split decode's rows: its parts (segments) folded in key order, normalised.
 template <typename T, typename C>
 void combine_parts(const Inputs<T, C>& in, const std::vector<SplitGroup>& groups, const Geometry& g) {
   std::vector<float> o(g.dp);
@@ -700,21 +749,44 @@ void combine_parts(const Inputs<T, C>& in, const std::vector<SplitGroup>& groups
     const WorkItem it{grp.seq, grp.kv_head, 1, 0, q_len, 0};
     const int64_t q0 = in.cu_seqlens_q[grp.seq];
     for (int64_t r = 0; r < item_rows(it, g); ++r) {
-      float mx = kNegInf;
-      for (int32_t p = grp.first_part; p < grp.first_part + grp.num_parts; ++p) mx = std::max(mx, in.part_m[p * RB + r]);
       std::fill(o.begin(), o.end(), 0.f);
-      float sum = 0.f;
-      for (int32_t p = grp.first_part; p < grp.first_part + grp.num_parts; ++p) {
-        const float f = std::exp(in.part_m[p * RB + r] - mx);
-        sum += f * in.part_l[p * RB + r];
-        const float* po = in.part_o + (p * RB + r) * g.dp;
-        for (int64_t i = 0; i < g.dp; ++i) o[i] += f * po[i];
-      }
+      float mx = kNegInf, sum = 0.f;
+      for (int32_t p = grp.first_part; p < grp.first_part + grp.num_parts; ++p)
+        fold_row(o.data(), &mx, &sum, in.part_o + (p * RB + r) * g.dp, in.part_m[p * RB + r], in.part_l[p * RB + r],
+                 g.dp);
       int64_t tok, head;
       row_of(it, g, r, &tok, &head);
       store_row(o.data(), 1.f / sum, in.out + ((tok + q0) * g.hq + head) * g.d, g, bf16_dot<T, C>(g));
     }
   }
+}
+
+// S for the rows of an item of one kv head as a decode computes it (the direct path's dot products,
+// not the transposed tile's), so that a token's scores are the same in a decode, a prefill
+// chunk or a verification: the bf16 dot products where they apply, else qk_direct over fp32 rows
+// (the cache's own where they are fp32 and unpadded, else widened and zero-padded into w.kf).
+template <typename T, typename C>
+inline void qk_by_rows(const Inputs<T, C>& in, const int64_t* offs, int nk, const Geometry& g, Scratch& w,
+                       int64_t rows, bool dot) {
+  const C* krows_c[KT];
+  for (int j = 0; j < nk; ++j) krows_c[j] = in.k_cache + offs[j];
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>)
+    if (dot && qk_direct_bf16(w.qb.data(), rows, g.dp, krows_c, nk, in.scale, w.s.data())) return;
+#endif
+  const float* kr[KT];
+  for (int j = 0; j < nk; ++j) {
+    if constexpr (std::is_same_v<C, float>) {
+      if (g.d == g.dp) {
+        kr[j] = krows_c[j];
+        continue;
+      }
+    }
+    row_to_f32(krows_c[j], w.kf.data() + j * g.dp, g.d);
+    kr[j] = w.kf.data() + j * g.dp;
+  }
+  for (int64_t r = 0; r < rows; r += RB)
+    qk_direct(w.q.data() + r * g.dp, std::min<int64_t>(RB, rows - r), g.dp, kr, nk, w.s.data() + r * KT);
 }
 
 template <typename T, typename C>
@@ -769,6 +841,9 @@ void run_item(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scr
         const float* qh = w.q.data() + h * head_rows * g.dp;
         qk_direct(qh, head_rows, g.dp, krows_c, nk, s);   // 16-bit rows widened once, for all rows
       }
+    } else if (in.invariant) {
+      if (!dot) load_v_tile(in.v_cache, offs, nk, g, w, vrows);
+      qk_by_rows(in, offs, nk, g, w, rows, dot);
     } else {
       if (!dot) load_v_tile(in.v_cache, offs, nk, g, w, vrows);
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
@@ -804,6 +879,7 @@ void run_item(const Inputs<T, C>& in, const WorkItem& it, const Geometry& g, Scr
       else pv_rows(w, r0, r1, g.dp, vrows);
     }
     std::copy(next_offs, next_offs + next_nk, offs);
+    if ((kt0 + nk) % in.seg_keys == 0 || kt0 + nk == key_end) end_segment(in, it, g, w);
   }
   store_rows(in, it, g, w, dot);
 }
@@ -834,24 +910,28 @@ struct Plan {
 // A step of fewer decode items than 2 per thread (one sequence: its kv heads) leaves threads idle
 // while one reads the whole context: each such item is cut into parts of at least kMinSplitKeys
 // keys, whole tiles each, so that every thread has about two. The keys split are the item's, from
-// its key_begin (with a window: the window's).
+// its key_begin (with a window: the window's). Invariant: the parts are the item's segments
+// instead (their bounds depend on the sequence alone), every part one.
 constexpr int64_t kMinSplitKeys = 64;
 
-void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, const Geometry& g, int64_t threads) {
+void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, const Geometry& g, int64_t threads,
+                   int64_t seg_keys) {
   const int64_t n = static_cast<int64_t>(plan.items.size());
   if (threads <= 1 || n == 0 || n >= 2 * threads) return;
   std::vector<WorkItem> items;
   for (const WorkItem& it : plan.items) {
     const int64_t q_len = cu[it.seq + 1] - cu[it.seq], ctx = seqlens_k[it.seq], keys = ctx - it.key_begin;
-    const int64_t parts = std::min((2 * threads + n - 1) / n, keys / kMinSplitKeys);
+    const bool segmented = seg_keys < kNoSegments;
+    const int64_t parts = segmented ? (ctx - 1) / seg_keys - it.key_begin / seg_keys + 1
+                                    : std::min((2 * threads + n - 1) / n, keys / kMinSplitKeys);
     if (!is_direct(q_len, g) || it.num_kv != 1 || parts < 2) {
       items.push_back(it);
       continue;
     }
     const int64_t chunk = ((keys + parts - 1) / parts + KT - 1) / KT * KT;
     SplitGroup grp{it.seq, it.kv_head, plan.num_parts, 0};
-    for (int64_t k0 = it.key_begin; k0 < ctx; k0 += chunk) {
-      const int64_t k1 = std::min(ctx, k0 + chunk);
+    for (int64_t k0 = it.key_begin; k0 < ctx;) {     // whole segments where there are segments
+      const int64_t k1 = std::min(ctx, segmented ? (k0 / seg_keys + 1) * seg_keys : k0 + chunk);
       WorkItem part = it;
       part.key_begin = static_cast<int32_t>(k0);
       part.key_end = static_cast<int32_t>(k1);
@@ -859,6 +939,7 @@ void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, cons
       part.cost = q_len * g.group * (k1 - k0) + 64 * g.group;
       items.push_back(part);
       ++grp.num_parts;
+      k0 = k1;
     }
     plan.groups.push_back(grp);
   }
@@ -870,7 +951,7 @@ void split_decodes(Plan& plan, const int32_t* cu, const int32_t* seqlens_k, cons
 // expensive first.
 Plan plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
                                  int64_t num_seqs, int64_t num_tokens, const Geometry& g, int64_t threads,
-                                 int64_t window, int64_t flash_min_tokens) {
+                                 int64_t window, int64_t flash_min_tokens, int64_t seg_keys) {
   TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == num_tokens,
               "cu_seqlens_q must run from 0 to the number of query tokens");
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / g.group);
@@ -909,7 +990,7 @@ Plan plan_items(const int32_t* cu, const int32_t* seqlens_k, const int32_t* bt,
     }
   }
   Plan plan{std::move(items)};
-  if (!whole_rows) split_decodes(plan, cu, seqlens_k, g, threads);
+  if (!whole_rows) split_decodes(plan, cu, seqlens_k, g, threads, seg_keys);
   std::stable_sort(plan.items.begin(), plan.items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   return plan;
@@ -971,9 +1052,12 @@ void flash_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const
 // q [T, Hq, D] (float32 or bfloat16), k_cache/v_cache [num_blocks, block_size, Hkv, D] (one dtype:
 // float32, bfloat16 or float16, widened to fp32 as read), cu_seqlens_q int32 [B+1], seqlens_k int32
 // [B], block_tables int32 [B, max_blocks], window (keys, 0: none) -> out [T, Hq, D] in q's dtype.
+// invariant: each row's result depends on its own query, keys and values alone, not on the other
+// rows of the call, the chunk it came in or the threads (every row's scores the decode way, keys
+// in fixed segments, no split by threads, no flash_attention).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor cu_seqlens_q, torch::Tensor seqlens_k,
-                              torch::Tensor block_tables, double scale, int64_t window) {
+                              torch::Tensor block_tables, double scale, int64_t window, bool invariant) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [T, Hq, D] and the cache [N, bs, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -998,9 +1082,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
   Geometry g{hq, hkv, hq / hkv, d, (d + 15) / 16 * 16, k_cache.size(1), k_cache.size(0), bt.size(1),
              q.stride(0), q.stride(1), hkv * d};
-  const int64_t flash_from = flash_min_tokens(q, k_cache);
+  const int64_t flash_from = invariant ? std::numeric_limits<int64_t>::max() : flash_min_tokens(q, k_cache);
+  const int64_t seg_keys = invariant ? kSegKeys : kNoSegments;
+  TORCH_CHECK(!invariant || g.block_size % KT == 0 || window == 0, "invariant attention with a window needs a "
+              "block_size that is a multiple of ", KT, " (key tiles at fixed positions)");
   const Plan plan = plan_items(cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
-                               lens.size(0), q.size(0), g, at::get_num_threads(), window, flash_from);
+                               lens.size(0), q.size(0), g, at::get_num_threads(), window, flash_from, seg_keys);
   std::vector<float> part_o(plan.num_parts * RB * g.dp), part_m(plan.num_parts * RB), part_l(plan.num_parts * RB);
   const int32_t* c = cu.data_ptr<int32_t>();
   const int32_t* ctx = lens.data_ptr<int32_t>();
@@ -1014,7 +1101,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     using C = decltype(cache_tag);
     Inputs<T, C> in{q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), out.data_ptr<T>(),
                     cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(),
-                    static_cast<float>(scale), window, part_o.data(), part_m.data(), part_l.data()};
+                    static_cast<float>(scale), window, part_o.data(), part_m.data(), part_l.data(), seg_keys,
+                    invariant};
     run_items(in, plan.items, g);
     combine_parts(in, plan.groups, g);
   };
@@ -1076,20 +1164,20 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 torch::Tensor write_kv_attention(torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                                  torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor cu_seqlens_q,
                                  torch::Tensor seqlens_k, torch::Tensor block_tables, double scale,
-                                 int64_t window) {
+                                 int64_t window, bool invariant) {
   write_kv(key, value, k_cache, v_cache, slot_mapping);
-  return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, window);
+  return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, scale, window, invariant);
 }
 
 // The functions as dispatcher ops (kaiten_cpu::...), which a compiled graph calls without the
 // layers of a Python-defined op (about 15 us a call).
 TORCH_LIBRARY_FRAGMENT(kaiten_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seqlens_k, "
-        "Tensor block_tables, float scale, int window=0) -> Tensor");
+        "Tensor block_tables, float scale, int window=0, bool invariant=True) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("write_kv_attention(Tensor q, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seqlens_k, Tensor block_tables, float scale, "
-        "int window=0) -> Tensor");
+        "int window=0, bool invariant=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kaiten_cpu, CPU, m) {

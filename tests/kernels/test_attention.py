@@ -4,6 +4,7 @@ decode-only and mixed batches, shuffled block pools, write_kv skipping, fp32 and
 windows (and block-table entries before a window never read)."""
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import zlib
@@ -255,9 +256,11 @@ def test_decode_groups_regardless_of_grouping_params():
     """One group per sequence, everything in one group, and groups capped by tokens all agree."""
     rng = random.Random(7)
     specs = rand_specs(rng, n_decode=40, n_prefill=2, max_ctx=300, bs=16)
-    for backend in (TorchAttention(group_max_seqs=1), TorchAttention(group_max_seqs=10**6,
-                    group_min_fill=0.0, group_max_tokens=10**9), TorchAttention(group_max_tokens=16),
-                    TorchAttention(group_max_seqs=3, group_min_fill=0.95)):
+    batched = dict(deterministic=False)     # the grouped plan (deterministic computes row by row)
+    for backend in (TorchAttention(group_max_seqs=1, **batched), TorchAttention(group_max_seqs=10**6,
+                    group_min_fill=0.0, group_max_tokens=10**9, **batched),
+                    TorchAttention(group_max_tokens=16, **batched),
+                    TorchAttention(group_max_seqs=3, group_min_fill=0.95, **batched)):
         run_case(Case(specs, 9, 3, 64, 16, torch.float32, 7), backend=backend)
 
 
@@ -301,7 +304,7 @@ def test_without_host_lists_matches():
 
 def test_plan_reused_across_layers_and_rebuilt_when_metadata_changes():
     """Same metadata for several layers (other caches), then metadata refilled in place."""
-    be = TorchAttention()
+    be = TorchAttention(deterministic=False)
     rng = random.Random(41)
     specs = rand_specs(rng, n_decode=12, n_prefill=2, max_ctx=64, bs=16)
     a = Case(specs, 9, 3, 64, 16, torch.float32, 41, layout_seed=1)
@@ -376,8 +379,10 @@ def test_sliding_window_mixed_batch(hq, hkv, bs, dtype):
 def test_sliding_window_decode_groups_regardless_of_grouping_params():
     rng = random.Random(8)
     specs = rand_specs(rng, n_decode=40, n_prefill=2, max_ctx=300, bs=16)
-    for backend in (TorchAttention(group_max_seqs=1), TorchAttention(group_max_seqs=10**6,
-                    group_min_fill=0.0, group_max_tokens=10**9), TorchAttention(group_max_tokens=16)):
+    batched = dict(deterministic=False)
+    for backend in (TorchAttention(group_max_seqs=1, **batched), TorchAttention(group_max_seqs=10**6,
+                    group_min_fill=0.0, group_max_tokens=10**9, **batched),
+                    TorchAttention(group_max_tokens=16, **batched)):
         for window in (1, 40, 128):
             run_case(Case(specs, 9, 3, 64, 16, torch.float32, 8), backend=backend, window=window)
 
@@ -440,3 +445,28 @@ def test_registry_returns_torch_backend():
     assert isinstance(be, TorchAttention) and be.name == "torch"
     from kernels.cpu_attention import cpp_attention_available
     assert get_attention_backend("auto", "cpu").name == ("cpu" if cpp_attention_available() else "torch")
+
+
+def _meta(qlens: list[int], klens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+    cu = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32)
+    bt = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
+    return AttentionMetadata(cu, torch.tensor(klens, dtype=torch.int32), bt, torch.empty(0, dtype=torch.int64),
+                             max(qlens), max(klens), qlens, klens)
+
+
+@pytest.mark.parametrize("window", [0, 50])
+def test_deterministic_rows_do_not_depend_on_the_batch_or_the_chunk(window):
+    """deterministic (the default): a token's row is the same bit for bit in its whole prompt, in a
+    short chunk, and as a decode among other sequences."""
+    torch.manual_seed(3)
+    k_cache, v_cache = torch.randn(40, 16, 3, 64), torch.randn(40, 16, 3, 64)
+    table, other = list(range(0, 10)), list(range(20, 30))
+    q = torch.randn(150, 9, 64)
+    be = TorchAttention()
+    whole = be.attention(q, k_cache, v_cache, _meta([150], [150], [table]), 0.125, window)
+    for p in (0, 17, 99, 149):
+        chunk = be.attention(q[max(0, p - 2):p + 1], k_cache, v_cache, _meta([min(p, 2) + 1], [p + 1], [table]),
+                             0.125, window)
+        mixed = torch.cat([torch.randn(3, 9, 64), q[p:p + 1]])
+        decode = be.attention(mixed, k_cache, v_cache, _meta([3, 1], [120, p + 1], [other, table]), 0.125, window)
+        assert torch.equal(chunk[-1], whole[p]) and torch.equal(decode[-1], whole[p]), p
