@@ -45,6 +45,7 @@ from engine_worker.inbox import Arrivals, Inbox, StreamEntry
 from engine_worker.intake import RejectedEntry, dead_letter_fields, decode_entry, salvage_ids
 from engine_worker.io_round import IoRound, RoundResult
 from engine_worker.janitor import Janitor
+from engine_worker.kv_store.redis_store import attach_kv_store
 from engine_worker.metrics import EngineMetrics
 from engine_worker.orphan_watch import OrphanWatch
 from engine_worker.publisher import Outgoing, Publisher
@@ -74,6 +75,7 @@ class EngineWorker:
         if engine is None:
             from engine_worker.engine.llm_engine import LLMEngine
             engine = LLMEngine(engine_config)
+            attach_kv_store(engine)
         self.engine = engine
         self.model = cfg.served_model_name or engine.model_name     # the served name: its streams
         self.explicit_id = bool(cfg.engine_id)
@@ -386,6 +388,8 @@ class EngineWorker:
         self.heartbeat.stop(delete=self.started.is_set())
         self.round.close()
         self.metrics.close()
+        if getattr(self.engine, "kv", None) is not None:
+            self.engine.kv.connector.close()
         log.info("engine %r stopped; %s", self.engine_id, self.overhead_report())
         self.exited.set()
 

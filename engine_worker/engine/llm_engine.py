@@ -296,10 +296,11 @@ class LLMEngine:
         return outputs
 
     def _after_schedule(self, batch: ScheduledBatch) -> None:
-        """Preempted sequences look for their chunks in the store (swap-in); with nothing to run
-        but loads, wait a little for one rather than spin."""
+        """Preempted sequences read all their stored chunks back (swap-in: the blocks they leave
+        cached are the first to be evicted under the pressure that preempted them); with nothing
+        to run but loads, wait a little for one rather than spin."""
         for seq in batch.preempted:
-            self.kv.start_load(seq, len(self.block_manager.find_cached_prefix(seq)))
+            self.kv.start_load(seq, 0)
         if not batch.seqs and self.kv.has_pending():
             self.kv.connector.wait(0.005)
 

@@ -52,6 +52,7 @@ class RedisKVStore(KVConnector):
         self._ready = threading.Event()
         self._stats = KVConnectorStats()
         self._down_until = [0.0, 0.0]                # loader's, saver's
+        self._closed = False
         self._threads = [threading.Thread(target=self._load_loop, daemon=True, name="kaiten-kv-load"),
                          threading.Thread(target=self._save_loop, daemon=True, name="kaiten-kv-save")]
         for t in self._threads:
@@ -88,9 +89,13 @@ class RedisKVStore(KVConnector):
             return replace(self._stats)
 
     def close(self) -> None:
+        """Stop the threads; the writes queued are made first (for at most a few seconds)."""
+        if self._closed:
+            return
+        self._closed = True
         self._fetches.put(None)
         try:
-            self._saves.put(None, timeout=1.0)
+            self._saves.put(None, timeout=2.0)
         except queue.Full:
             pass
         for t in self._threads:
@@ -164,3 +169,14 @@ class RedisKVStore(KVConnector):
                 self._failed(1, e)
                 continue
             self._count(saved_chunks=1, bytes_stored=len(value), store_seconds=time.perf_counter() - t0)
+
+
+def attach_kv_store(engine) -> RedisKVStore | None:
+    """Give `engine` (an LLMEngine) the store its config's kv_store_url names, if any."""
+    url = engine.config.kv_store_url
+    if not url:
+        return None
+    layout = engine.kv_layout()
+    store = RedisKVStore(url, layout)
+    engine.attach_kv_connector(store, layout)
+    return store

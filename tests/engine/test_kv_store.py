@@ -4,6 +4,7 @@ or does (nothing, another layout's values, corrupt values, too little memory, do
 change and no request is lost."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -26,6 +27,7 @@ def prompts(n: int = 3, shared: int = 200, own: int = 30, seed: int = 0) -> list
 
 
 def make_engine(model_dir, url: str | None, **kw) -> LLMEngine:
+    kw.setdefault("attention_backend", os.environ.get("KAITEN_TEST_KV_BACKEND", "auto"))
     engine = LLMEngine(engine_config(model_dir, kv_store_chunk_tokens=CHUNK_TOKENS, **kw))
     if url:
         engine.attach_kv_connector(RedisKVStore(url, engine.kv_layout(), timeout_s=1.0), engine.kv_layout())
@@ -51,17 +53,9 @@ def run(engine: LLMEngine, batch: list[list[int]], max_tokens: int = 12) -> dict
 
 
 def close(engine: LLMEngine) -> None:
+    """Stop its store's threads after the queued writes (close() is idempotent)."""
     if engine.kv is not None:
         engine.kv.connector.close()
-
-
-def drain_saves(engine: LLMEngine) -> None:
-    import time
-    deadline = time.monotonic() + 10
-    while engine.kv.connector._saves.unfinished_tasks if False else not engine.kv.connector._saves.empty():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +72,7 @@ def test_a_prefix_computed_on_one_engine_is_loaded_on_another(tiny_model_dir, re
     a, b = make_engine(tiny_model_dir, redis_url), make_engine(tiny_model_dir, redis_url)
     try:
         assert tokens_of(run(a, prompts())) == reference
-        drain_saves(a)
+        close(a)                               # its queued writes are finished
         assert a.stats().kv_store_saved_chunks > 0
         result = run(b, prompts())
         assert tokens_of(result) == reference
@@ -103,7 +97,6 @@ def corrupt_every_value(url: str) -> int:
 def test_whatever_the_store_holds_outputs_are_unchanged(tiny_model_dir, redis_url, reference, damage):
     a = make_engine(tiny_model_dir, redis_url)
     run(a, prompts())
-    drain_saves(a)
     close(a)
     r = redis.Redis.from_url(redis_url)
     keys = r.keys("kaiten:kv:*")
@@ -127,7 +120,6 @@ def test_whatever_the_store_holds_outputs_are_unchanged(tiny_model_dir, redis_ur
             assert tokens_of(result) == reference
         st = b.stats()
         assert st.kv_store_hit_chunks == 0 and st.kv_store_loaded_tokens == 0
-        assert all(cached == 0 for _, cached in result.values()) or damage == "other_layout"
         if damage != "flushall":
             assert st.kv_store_invalid_chunks > 0
     finally:
@@ -141,15 +133,48 @@ def test_a_store_that_is_down_or_full_changes_nothing(tiny_model_dir, redis_url,
     a = make_engine(tiny_model_dir, redis_url)
     try:
         assert tokens_of(run(a, prompts())) == reference
-        drain_saves(a)
+        close(a)
         st = a.stats()
         assert st.kv_store_errors > 0 and st.kv_store_saved_chunks == 0
     finally:
         r.config_set("maxmemory", "0")
-        close(a)
     dead = make_engine(tiny_model_dir, "redis://127.0.0.1:1/0")
     try:
         assert tokens_of(run(dead, prompts())) == reference
         assert dead.stats().kv_store_errors > 0
     finally:
         close(dead)
+
+
+def test_a_continuation_loads_the_streams_kv_and_computes_at_most_a_chunk(tiny_model_dir, redis_url):
+    prompt = prompts(1)[0]
+    a = make_engine(tiny_model_dir, redis_url)
+    (whole, _), = run(a, [prompt], max_tokens=70).values()
+    close(a)                                    # a running sequence's chunks were written as they filled
+    b = make_engine(tiny_model_dir, redis_url)
+    try:
+        delivered = whole[:50]
+        b.add_request("cont", prompt + delivered, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                      num_generated=len(delivered))
+        got, cached = [], 0
+        while b.has_unfinished():
+            for o in b.step():
+                got += o.new_token_ids
+                cached = o.num_cached_tokens
+        assert got == whole[50:]
+        assert cached >= len(prompt) + len(delivered) - CHUNK_TOKENS
+        assert b.stats().kv_store_loaded_tokens == cached
+    finally:
+        close(b)
+
+
+def test_a_preempted_sequence_swapped_through_the_store_equals_an_unswapped_run(tiny_model_dir, redis_url):
+    batch = prompts(4, shared=0, own=150, seed=3)
+    plenty = run(make_engine(tiny_model_dir, None), batch, max_tokens=80)
+    small = make_engine(tiny_model_dir, redis_url, kv_cache_memory=str(48 * 8192))   # 48 blocks: 4 x 15+ needed
+    try:
+        assert tokens_of(run(small, batch, max_tokens=80)) == tokens_of(plenty)
+        st = small.stats()
+        assert st.num_preemptions > 0 and st.kv_store_loaded_tokens > 0
+    finally:
+        close(small)
