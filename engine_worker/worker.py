@@ -123,6 +123,7 @@ class EngineWorker:
                 "vocab_size": int(getattr(e, "vocab_size", 0)),
                 "dtype": self.engine_config.dtype, "device": self.engine_config.device,
                 "block_size": int(e.block_size),
+                "kv_store": getattr(e, "kv", None) is not None,     # shares KV chunks through a store
                 "heartbeat_interval": self.cfg.heartbeat_interval}
 
     # ------------------------------------------------------------------ control

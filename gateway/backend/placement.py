@@ -13,6 +13,11 @@ SGLang's router:
 - ``load_spill``: the best engine (most blocks; the least loaded among equals) is busier than the
   least loaded engine by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
   times: the least loaded engine's own stream.
+- ``store_spill``: the engines share a KV store (their heartbeats say ``kv_store``), the prompt's
+  blocks the best engine holds are held by the least loaded one or by the store (any engine of the
+  store that holds a block wrote it there), and the best engine is busier by more than
+  ``store_balance_threshold`` requests: the least loaded engine's own stream. There the prefix
+  costs a load, not a prefill, so placement spreads load instead of piling it on one cache.
 - ``prefix_hit``: else the best engine's own stream.
 - ``fallback``: routing is off (``--routing queue``), no engine reports its blocks, or none is live.
 
@@ -36,7 +41,8 @@ from shared.block_hash import prefix_block_hashes
 from .engines import EngineInfo, EngineMonitor
 
 ROUTING_POLICIES = ("prefix", "queue")
-REASONS = ("prefix_hit", "load_spill", "no_hit", "fallback")
+REASONS = ("prefix_hit", "load_spill", "store_spill", "no_hit", "fallback")
+STORE_BALANCE_THRESHOLD = 1         # requests: spill to a store-sharing engine past this imbalance
 MAX_SENT_HASHES = 65_536            # per engine: optimistic knowledge is bounded
 
 
@@ -111,7 +117,16 @@ class Placer:
         lo, hi = loads[least.engine_id], loads[best.engine_id]
         if hi > lo + self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             return self._send(least, hashes, now, "load_spill", hits[least.engine_id])
+        if hi > lo + STORE_BALANCE_THRESHOLD and self._in_store(least, engines, hits) >= best_hit:
+            return self._send(least, hashes, now, "store_spill", hits[least.engine_id])
         return self._send(best, hashes, now, "prefix_hit", best_hit)
+
+    @staticmethod
+    def _in_store(engine: EngineInfo, engines: list[EngineInfo], hits: dict[str, int]) -> int:
+        """Leading blocks `engine` has or can load: its own, or any store-sharing engine's."""
+        if not engine.get("kv_store"):
+            return hits[engine.engine_id]
+        return max([hits[engine.engine_id]] + [hits[e.engine_id] for e in engines if e.get("kv_store")])
 
     def _unrouted(self, engines: list[EngineInfo], shared_stream: str, lora_name: str, now: float, reason: str,
                   hashes: list[int] = (), hit: int = 0) -> Decision:

@@ -146,6 +146,20 @@ def test_placement_spills_a_busy_engines_hot_prefix():
     assert (d.engine_id, d.reason) == ("b", "load_spill")
 
 
+def test_engines_sharing_a_kv_store_spread_a_hot_prefix_at_a_small_imbalance():
+    """The prefix a busy engine holds is in the store: on the least loaded engine it costs a load,
+    so a request spills at an imbalance below the cache-only thresholds; without a store it stays."""
+    hot = prefix_block_hashes(SYSTEM + [5] * 32, BS)
+    prompt = SYSTEM + [5] * 32 + [6]
+    shared = monitor_with(("a", hot, 4), ("b", [], 1))
+    for e in shared.engines.values():
+        e.heartbeat["kv_store"] = True
+    d = place(Placer(shared), prompt)
+    assert (d.engine_id, d.reason) == ("b", "store_spill")
+    d = place(Placer(monitor_with(("a", hot, 4), ("b", [], 1))), prompt)
+    assert (d.engine_id, d.reason) == ("a", "prefix_hit")
+
+
 def test_a_burst_spreads_before_the_next_heartbeat():
     """Eight new conversations on the shared system prompt, all engines holding it: what this
     gateway just sent counts as load, so they spread evenly."""
