@@ -15,6 +15,7 @@ import zlib
 from array import array
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from engine_worker.engine.kv_layout import KVLayout
@@ -37,19 +38,19 @@ def encode(layout: KVLayout, block_hashes: Sequence[int], token_ids: Sequence[in
 
 
 def decode(layout: KVLayout, block_hashes: Sequence[int], token_ids: Sequence[int], value: bytes | None,
-           dtype: torch.dtype) -> torch.Tensor | None:
-    """The chunk's KV as a (blocks, *block_shape) tensor of `dtype`, or None where `value` is not
-    exactly the chunk asked for."""
+           out: torch.Tensor) -> bool:
+    """Copy the chunk's KV into `out` (a contiguous (blocks, *block_shape) tensor); False, leaving
+    `out` as it was, where `value` is not exactly the chunk asked for."""
     if value is None or len(value) < _HEAD.size:
-        return None
+        return False
     magic, layout_id, n, size, crc = _HEAD.unpack_from(value)
     meta = _meta(block_hashes, token_ids)
     if magic != MAGIC or layout_id != layout.layout_id or n != len(block_hashes):
-        return None
-    if size != n * layout.block_bytes or len(value) != _HEAD.size + len(meta) + size:
-        return None
+        return False
+    if size != n * layout.block_bytes or len(value) != _HEAD.size + len(meta) + size or out.nbytes != size:
+        return False
     body = memoryview(value)[_HEAD.size:]
     if body[:len(meta)] != meta or zlib.crc32(body[len(meta):], zlib.crc32(meta)) != crc:
-        return None
-    data = bytearray(body[len(meta):])            # writable, so torch owns no read-only buffer
-    return torch.frombuffer(data, dtype=dtype).view(n, *layout.block_shape())
+        return False
+    out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(body[len(meta):], dtype=np.uint8)
+    return True

@@ -34,7 +34,8 @@ class FetchRequest:
 class FetchResult:
     ticket: int
     first_block: int
-    chunks: list[torch.Tensor]       # the leading stored chunks, each (blocks, *KVLayout.block_shape())
+    num_chunks: int                  # the leading chunks stored intact
+    kv: torch.Tensor                 # their blocks' KV: (blocks, *KVLayout.block_shape()), contiguous
     seconds: float                   # from the fetch's start to its last chunk checked
 
 

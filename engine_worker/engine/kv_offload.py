@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +47,16 @@ class LoadedPrefix:
 class OffloadStats:
     loads_skipped: int = 0       # candidates not loaded: a load measured slower than a prefill
     loaded_tokens: int = 0       # prompt tokens put into blocks from the store
+    dropped_writes: int = 0      # chunks not even copied out: the connector's queue was full
     load_s_per_token: float = 0.0
     prefill_s_per_token: float = 0.0
 
 
 class KVOffload:
-    def __init__(self, connector: KVConnector, layout: KVLayout, kv_caches, dtype: torch.dtype):
+    def __init__(self, connector: KVConnector, layout: KVLayout, kv_caches, dtype: torch.dtype,
+                 adapter_id: Callable[[str], str] = str):
         self.connector = connector
+        self.adapter_id = adapter_id          # an adapter's name -> its name in keys (with its fingerprint)
         self.layout = layout
         self.kv_caches = kv_caches
         self.dtype = dtype
@@ -76,7 +80,7 @@ class KVOffload:
         ticket = next(self._tickets)
         self.pending[ticket] = (seq, refs)
         seq.status = SequenceStatus.LOADING
-        self.connector.fetch(FetchRequest(ticket, seq.lora_name, first * C, refs))
+        self.connector.fetch(FetchRequest(ticket, self.adapter_id(seq.lora_name), first * C, refs))
         return True
 
     def _worth_loading(self) -> bool:
@@ -93,16 +97,15 @@ class KVOffload:
         """Return the sequences whose fetch finished to the queue, with what it found."""
         for result in self.connector.done():
             seq, refs = self.pending.pop(result.ticket)
-            blocks = sum(len(c) for c in result.chunks)
-            if blocks:
-                self._measure_load(result.seconds, blocks * self.layout.block_size)
-            for ref in refs[:len(result.chunks)]:
+            if result.num_chunks:
+                self._measure_load(result.seconds, len(result.kv) * self.layout.block_size)
+            for ref in refs[:result.num_chunks]:
                 self._remember(ref)
             if seq.status is not SequenceStatus.LOADING:
                 continue                                     # aborted while it loaded
             seq.status = SequenceStatus.WAITING
-            if blocks:
-                seq.kv_load = LoadedPrefix(result.first_block, torch.cat(result.chunks))
+            if result.num_chunks:
+                seq.kv_load = LoadedPrefix(result.first_block, result.kv)
 
     def has_pending(self) -> bool:
         return bool(self.pending)
@@ -134,9 +137,12 @@ class KVOffload:
                 hashes = tuple(seq.block_hashes[i * C:(i + 1) * C])
                 if hashes[-1] in self.known:
                     continue
+                if not self.connector.has_room():
+                    self.stats.dropped_writes += 1
+                    continue
                 ref = ChunkRef(hashes, tuple(seq.token_ids[i * C * bs:(i + 1) * C * bs]))
-                if self.connector.has_room() and self.connector.save(
-                        SaveChunk(seq.lora_name, ref, self._gather(seq.block_table[i * C:(i + 1) * C]))):
+                payload = self._gather(seq.block_table[i * C:(i + 1) * C])
+                if self.connector.save(SaveChunk(self.adapter_id(seq.lora_name), ref, payload)):
                     self._remember(ref)
             seq.num_stored_chunks = max(seq.num_stored_chunks, full)
 
@@ -162,7 +168,8 @@ class KVOffload:
                     kv_store_invalid_chunks=c.invalid_chunks, kv_store_loaded_tokens=own.loaded_tokens,
                     kv_store_bytes_loaded=c.bytes_loaded, kv_store_load_seconds=c.load_seconds,
                     kv_store_saved_chunks=c.saved_chunks, kv_store_bytes_stored=c.bytes_stored,
-                    kv_store_store_seconds=c.store_seconds, kv_store_dropped_writes=c.dropped_writes,
+                    kv_store_store_seconds=c.store_seconds,
+                    kv_store_dropped_writes=c.dropped_writes + own.dropped_writes,
                     kv_store_errors=c.errors, kv_store_loads_skipped=own.loads_skipped)
 
     # ---- measuring -----------------------------------------------------------------------

@@ -113,6 +113,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
         self.kv: KVOffload | None = None       # a shared KV store (attach_kv_connector)
+        self._adapter_ids: dict[tuple[str, str], str] = {}
         log.info("engine ready: model=%s dtype=%s kv cache %s, blocks=%d x %d tokens, backend=%s", self.model_name,
                  self.runner.dtype, self.runner.kv_dtype, self.runner.num_blocks, self.runner.block_size,
                  self.runner.backend.name)
@@ -149,6 +150,7 @@ class LLMEngine:
         in_use = name in self.scheduler.loras_in_use()
         if self.loras is None or not self.loras.remove(name, in_use):
             return False
+        self._adapter_ids = {k: v for k, v in self._adapter_ids.items() if k[0] != name}
         if not in_use:
             self.block_manager.drop_root(root_hash(name))
         return True
@@ -184,8 +186,18 @@ class LLMEngine:
         if self.runner.kv_window:
             raise ValueError("a KV store cannot serve a model whose every layer slides (blocks behind the window "
                              "are released)")
-        self.kv = KVOffload(connector, layout, self.runner.kv_caches, self.runner.kv_dtype)
+        self.kv = KVOffload(connector, layout, self.runner.kv_caches, self.runner.kv_dtype, self._adapter_id)
         self.scheduler.kv_loads = self.kv
+
+    def _adapter_id(self, name: str) -> str:
+        """An adapter as the store names it: its name and its files' fingerprint (a changed adapter
+        served under the same name never reads the old one's chunks)."""
+        if not name:
+            return ""
+        path = self.loras.paths.get(name) or self.loras.retiring[name]
+        if (name, path) not in self._adapter_ids:
+            self._adapter_ids[(name, path)] = f"{name}-{model_fingerprint(path)[:16]}"
+        return self._adapter_ids[(name, path)]
 
     def _enqueue(self, seq: Sequence) -> None:
         """To the scheduler's queue; LOADING first where the store may hold more of its prompt."""

@@ -21,8 +21,7 @@ import redis
 import torch
 
 from engine_worker.engine import kv_chunk
-from engine_worker.engine.kv_connector import (ChunkRef, FetchRequest, FetchResult, KVConnector, KVConnectorStats,
-                                               SaveChunk)
+from engine_worker.engine.kv_connector import FetchRequest, FetchResult, KVConnector, KVConnectorStats, SaveChunk
 from engine_worker.engine.kv_layout import KVLayout
 from shared.redis_conn import redact_url, redis_client
 
@@ -119,18 +118,20 @@ class RedisKVStore(KVConnector):
     def _load_loop(self) -> None:
         while (request := self._fetches.get()) is not None:
             t0 = time.perf_counter()
-            chunks = self._read(request) if time.monotonic() >= self._down_until[0] else []
+            blocks = sum(len(ref.block_hashes) for ref in request.chunks)
+            kv = torch.empty((blocks, *self.layout.block_shape()), dtype=self.dtype)
+            n = self._read(request, kv) if time.monotonic() >= self._down_until[0] else 0
+            kv = kv[:n * self.layout.chunk_blocks]
             seconds = time.perf_counter() - t0
-            hit = len(chunks) == len(request.chunks)
-            self._count(fetches=1, hit_chunks=len(chunks), miss_chunks=0 if hit else 1, load_seconds=seconds,
-                        bytes_loaded=sum(c.numel() * c.element_size() for c in chunks))
+            self._count(fetches=1, hit_chunks=n, miss_chunks=0 if n == len(request.chunks) else 1,
+                        load_seconds=seconds, bytes_loaded=kv.nbytes)
             with self._lock:
-                self._done.append(FetchResult(request.ticket, request.first_block, chunks, seconds))
+                self._done.append(FetchResult(request.ticket, request.first_block, n, kv, seconds))
                 self._ready.set()
 
-    def _read(self, request: FetchRequest) -> list[torch.Tensor]:
-        chunks: list[torch.Tensor] = []
-        client = self._clients[0]
+    def _read(self, request: FetchRequest, kv: torch.Tensor) -> int:
+        """Chunks read into `kv`, up to the first missing or refused one."""
+        client, C = self._clients[0], self.layout.chunk_blocks
         for start in range(0, len(request.chunks), FETCH_GROUP):
             refs = request.chunks[start:start + FETCH_GROUP]
             try:
@@ -140,19 +141,14 @@ class RedisKVStore(KVConnector):
                 values = pipe.execute()
             except redis.RedisError as e:
                 self._failed(0, e)
-                return chunks
-            for ref, value in zip(refs, values):
-                kv = self._decode(ref, value)
-                if kv is None:
-                    return chunks
-                chunks.append(kv)
-        return chunks
-
-    def _decode(self, ref: ChunkRef, value: bytes | None) -> torch.Tensor | None:
-        kv = kv_chunk.decode(self.layout, ref.block_hashes, ref.token_ids, value, self.dtype)
-        if kv is None and value is not None:
-            self._count(invalid_chunks=1)
-        return kv
+                return start
+            for i, (ref, value) in enumerate(zip(refs, values)):
+                if not kv_chunk.decode(self.layout, ref.block_hashes, ref.token_ids, value,
+                                       kv[(start + i) * C:(start + i + 1) * C]):
+                    if value is not None:
+                        self._count(invalid_chunks=1)
+                    return start + i
+        return len(request.chunks)
 
     def _save_loop(self) -> None:
         client = self._clients[1]
