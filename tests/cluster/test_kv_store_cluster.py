@@ -3,6 +3,7 @@ the redis+cluster:// URL form (shared/redis_conn.py): chunks written by one stor
 by another, across nodes; and the URL form's parsing."""
 from __future__ import annotations
 
+import random
 import shutil
 import subprocess
 import tempfile
@@ -15,7 +16,7 @@ from engine_worker.engine.kv_layout import KVLayout
 from engine_worker.kv_store.redis_store import RedisKVStore
 from shared.redis_conn import ClusterURL, parse_cluster_url, redact_url, redis_client
 from tests.support.engine_support import wait_until
-from tests.support.redis_server import free_port
+from shared.launcher import port_is_free
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,13 +31,23 @@ def test_parse_cluster_urls():
             parse_cluster_url(bad)
 
 
+def cluster_ports(n: int) -> list[int]:
+    """Free ports whose cluster bus ports (10000 higher, so below 55536) are free too."""
+    rng, out = random.Random(), []
+    while len(out) < n:
+        p = rng.randrange(20000, 30000)
+        if p not in out and port_is_free("127.0.0.1", p) and port_is_free("127.0.0.1", p + 10000):
+            out.append(p)
+    return out
+
+
 @pytest.fixture
 def cluster():
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if not exe or not cli:
         pytest.skip("redis-server and redis-cli are needed for a Redis Cluster")
     workdir = tempfile.mkdtemp(prefix="kaiten-cluster-")
-    ports = [free_port() for _ in range(3)]
+    ports = cluster_ports(3)
     procs = [subprocess.Popen([exe, "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                                "--cluster-config-file", f"{workdir}/nodes-{p}.conf", "--save", "", "--appendonly",
                                "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -44,7 +55,7 @@ def cluster():
     try:
         for p in ports:
             wait_until(lambda: subprocess.run([cli, "-p", str(p), "ping"], capture_output=True).stdout.strip()
-                       == b"PONG", 20)
+                       == b"PONG", 40)
         subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0",
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
         wait_until(lambda: b"cluster_state:ok" in subprocess.run([cli, "-p", str(ports[0]), "cluster", "info"],
@@ -58,7 +69,7 @@ def cluster():
 
 
 def test_chunks_written_on_a_cluster_are_read_back_across_its_nodes(cluster):
-    layout = KVLayout.build("m", torch.float16, 16, 2, 2, 8)
+    layout = KVLayout.build("m", torch.float16, 16, 2, 2, 8, chunk_tokens=16)
     refs = [ChunkRef((1000 + i,), tuple(range(i, i + 16))) for i in range(24)]
     kv = [torch.randn(1, *layout.block_shape()).half() for _ in refs]
     writer = RedisKVStore(cluster, layout)
