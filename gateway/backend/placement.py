@@ -14,8 +14,8 @@ SGLang's router:
   least loaded engine by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
   times: the least loaded engine's own stream.
 - ``store_spill``: the engines share a KV store (their heartbeats say ``kv_store``), the prompt's
-  blocks the best engine holds are held by the least loaded one or by the store (any engine of the
-  store that holds a block wrote it there), and the best engine is busier by more than
+  blocks the best engine holds are held by the least loaded one or by the store (a block in a
+  store-sharing engine's published list was computed, so written), and the best engine is busier by more than
   ``store_balance_threshold`` requests: the least loaded engine's own stream. There the prefix
   costs a load, not a prefill, so placement spreads load instead of piling it on one cache.
 - ``prefix_hit``: else the best engine's own stream.
@@ -117,16 +117,22 @@ class Placer:
         lo, hi = loads[least.engine_id], loads[best.engine_id]
         if hi > lo + self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             return self._send(least, hashes, now, "load_spill", hits[least.engine_id])
-        if hi > lo + STORE_BALANCE_THRESHOLD and self._in_store(least, engines, hits) >= best_hit:
+        if hi > lo + STORE_BALANCE_THRESHOLD and self._in_store(least, engines, hits, hashes) >= best_hit:
             return self._send(least, hashes, now, "store_spill", hits[least.engine_id])
         return self._send(best, hashes, now, "prefix_hit", best_hit)
 
     @staticmethod
-    def _in_store(engine: EngineInfo, engines: list[EngineInfo], hits: dict[str, int]) -> int:
-        """Leading blocks `engine` has or can load: its own, or any store-sharing engine's."""
+    def _in_store(engine: EngineInfo, engines: list[EngineInfo], hits: dict[str, int], hashes: list[int]) -> int:
+        """Leading blocks `engine` has or can load: its own, or those a store-sharing engine's
+        published list holds (computed, so written). Blocks only sent to an engine are not in the
+        store yet: a burst on a new prefix waits for the one engine computing it."""
         if not engine.get("kv_store"):
             return hits[engine.engine_id]
-        return max([hits[engine.engine_id]] + [hits[e.engine_id] for e in engines if e.get("kv_store")])
+        stored = 0
+        for e in engines:
+            if e.get("kv_store"):
+                stored = max(stored, next((i for i, h in enumerate(hashes) if h not in e.blocks), len(hashes)))
+        return max(hits[engine.engine_id], stored)
 
     def _unrouted(self, engines: list[EngineInfo], shared_stream: str, lora_name: str, now: float, reason: str,
                   hashes: list[int] = (), hit: int = 0) -> Decision:
