@@ -8,8 +8,11 @@ fraction of its speed (bench/results/kv_store/README.md), and a smaller chunk is
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from hashlib import blake2b
+
+from engine_worker.model.fingerprint import model_fingerprint
 
 LAYOUT_VERSION = 1
 CHUNK_MIN_BYTES = 256 * 1024
@@ -62,3 +65,24 @@ class KVLayout:
     def block_shape(self) -> tuple[int, ...]:
         """One block's KV as stored: layers, K/V, tokens, heads, head_dim."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+class AdapterIds:
+    """A LoRA adapter as the store names it: its name and its files' fingerprint, so an adapter
+    changed under the same name never reads the old one's chunks. `path_of` gives a served
+    adapter's directory."""
+
+    def __init__(self, path_of: Callable[[str], str]):
+        self.path_of = path_of
+        self._ids: dict[str, str] = {}
+
+    def __call__(self, name: str) -> str:
+        if not name:
+            return ""
+        if name not in self._ids:
+            self._ids[name] = f"{name}-{model_fingerprint(self.path_of(name))[:16]}"
+        return self._ids[name]
+
+    def forget(self, name: str) -> None:
+        """The adapter was removed: a new one of that name is fingerprinted again."""
+        self._ids.pop(name, None)

@@ -15,7 +15,7 @@ import torch
 
 from engine_worker.engine.block_manager import BlockManager
 from engine_worker.engine.kv_connector import KVConnector
-from engine_worker.engine.kv_layout import KVLayout
+from engine_worker.engine.kv_layout import AdapterIds, KVLayout
 from engine_worker.engine.kv_offload import KVOffload
 from engine_worker.engine.lora_registry import LoraRegistry
 from engine_worker.model.model_runner import ModelRunner
@@ -113,7 +113,6 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
         self.kv: KVOffload | None = None       # a shared KV store (attach_kv_connector)
-        self._adapter_ids: dict[tuple[str, str], str] = {}
         log.info("engine ready: model=%s dtype=%s kv cache %s, blocks=%d x %d tokens, backend=%s", self.model_name,
                  self.runner.dtype, self.runner.kv_dtype, self.runner.num_blocks, self.runner.block_size,
                  self.runner.backend.name)
@@ -143,6 +142,8 @@ class LLMEngine:
             raise ValueError("LoRA is disabled on this engine (max_loras is 0)")
         self.runner.enable_lora()
         self.loras.add(name, path)
+        if self.kv is not None:
+            self.kv.adapter_id.forget(name)
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving `name` (False: not served). Requests already using it finish with it;
@@ -150,7 +151,8 @@ class LLMEngine:
         in_use = name in self.scheduler.loras_in_use()
         if self.loras is None or not self.loras.remove(name, in_use):
             return False
-        self._adapter_ids = {k: v for k, v in self._adapter_ids.items() if k[0] != name}
+        if self.kv is not None:
+            self.kv.adapter_id.forget(name)
         if not in_use:
             self.block_manager.drop_root(root_hash(name))
         return True
@@ -186,18 +188,9 @@ class LLMEngine:
         if self.runner.kv_window:
             raise ValueError("a KV store cannot serve a model whose every layer slides (blocks behind the window "
                              "are released)")
-        self.kv = KVOffload(connector, layout, self.runner.kv_caches, self.runner.kv_dtype, self._adapter_id)
+        adapter_ids = AdapterIds(lambda name: self.loras.paths.get(name) or self.loras.retiring[name])
+        self.kv = KVOffload(connector, layout, self.runner.kv_caches, self.runner.kv_dtype, adapter_ids)
         self.scheduler.kv_loads = self.kv
-
-    def _adapter_id(self, name: str) -> str:
-        """An adapter as the store names it: its name and its files' fingerprint (a changed adapter
-        served under the same name never reads the old one's chunks)."""
-        if not name:
-            return ""
-        path = self.loras.paths.get(name) or self.loras.retiring[name]
-        if (name, path) not in self._adapter_ids:
-            self._adapter_ids[(name, path)] = f"{name}-{model_fingerprint(path)[:16]}"
-        return self._adapter_ids[(name, path)]
 
     def _enqueue(self, seq: Sequence) -> None:
         """To the scheduler's queue; LOADING first where the store may hold more of its prompt."""

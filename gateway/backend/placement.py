@@ -9,7 +9,8 @@ prompt and output of each request that finished there, so a chat's next turn fin
 SGLang's router:
 
 - ``no_hit``: the best engine holds less than ``cache_threshold`` of the prompt: the model's shared
-  stream, where any of its engines with room takes it (the queue, as without routing).
+  stream, where any of its engines with room takes it (the queue, as without routing); where the
+  engines share a KV store, the least loaded engine's own stream (see ``_unrouted``).
 - ``load_spill``: the best engine (most blocks; the least loaded among equals) is busier than the
   least loaded engine by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
   times: the least loaded engine's own stream.
@@ -136,8 +137,12 @@ class Placer:
 
     def _unrouted(self, engines: list[EngineInfo], shared_stream: str, lora_name: str, now: float, reason: str,
                   hashes: list[int] = (), hit: int = 0) -> Decision:
-        """No engine's cache decides: the shared stream, or for an adapter its least loaded engine."""
-        if not lora_name:
+        """No engine's cache decides: the shared stream, or for an adapter its least loaded engine.
+        Engines sharing a KV store: the least loaded one too, so this gateway knows where the new
+        prefix is being computed and sends the requests that share it there, not to engines that
+        would compute it again at the same time (they load it once it is written)."""
+        store = bool(hashes) and reason == "no_hit" and all(e.get("kv_store") for e in engines)
+        if not lora_name and not store:
             return Decision(shared_stream, None, reason, hit)
         if not engines:
             return Decision("", None, reason)

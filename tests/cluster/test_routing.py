@@ -160,6 +160,19 @@ def test_engines_sharing_a_kv_store_spread_a_hot_prefix_at_a_small_imbalance():
     assert (d.engine_id, d.reason) == ("a", "prefix_hit")
 
 
+def test_a_burst_on_a_new_prefix_goes_to_the_one_store_engine_computing_it():
+    """No engine holds it and none has written it: the first request goes to the least loaded
+    engine's own stream, and those sharing its prefix follow it there (blocks only sent to an
+    engine are not in the store), rather than four engines computing it at once."""
+    mon = monitor_with(*((e, [], 0) for e in "abcd"))
+    for e in mon.engines.values():
+        e.heartbeat["kv_store"] = True
+    placer = Placer(mon)
+    picks = [place(placer, turn(u, 1)) for u in range(4)]
+    assert picks[0].reason == "no_hit" and picks[0].engine_id is not None
+    assert {d.engine_id for d in picks} == {picks[0].engine_id}
+
+
 def test_a_burst_spreads_before_the_next_heartbeat():
     """Eight new conversations on the shared system prompt, all engines holding it: what this
     gateway just sent counts as load, so they spread evenly."""

@@ -178,3 +178,16 @@ def test_a_preempted_sequence_swapped_through_the_store_equals_an_unswapped_run(
         assert st.num_preemptions > 0 and st.kv_store_loaded_tokens > 0
     finally:
         close(small)
+
+
+def test_an_adapter_changed_under_its_name_gets_another_store_name(tmp_path):
+    from engine_worker.engine.kv_layout import AdapterIds
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"one")
+    ids = AdapterIds(lambda name: str(tmp_path / "a"))
+    first = ids("sql")
+    assert first.startswith("sql-") and ids("sql") == first and ids("") == ""
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"two")
+    assert ids("sql") == first                  # served: its name is kept while it runs
+    ids.forget("sql")                           # removed and added again
+    assert ids("sql") != first
