@@ -28,7 +28,8 @@ def run(model: str, url: str, prompts: list[list[int]], output: int, memory: int
     from engine_worker.engine.sampling_params import SamplingParams
     from engine_worker.kv_store.redis_store import attach_kv_store
     from shared.config import EngineConfig
-    engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=str(memory), enforce_eager=eager, kv_store_url=url,
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory=str(memory), enforce_eager=eager,
+                                    kv_store_url=url,
                                     max_num_seqs=len(prompts)))
     attach_kv_store(engine)
     outs = {f"s{i}": [] for i in range(len(prompts))}
@@ -62,7 +63,7 @@ def main() -> None:
     from shared.model_source import resolve_model
     from tests.support.redis_server import RedisServer
     model = str(resolve_model(args.model))
-    probe = LLMEngine(EngineConfig(model=model, kv_cache_memory="64MiB", enforce_eager=True))
+    probe = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory="64MiB", enforce_eager=True))
     block_bytes, vocab = probe.kv_layout().block_bytes, probe.vocab_size
     del probe
     need = args.seqs * -(-(args.prompt + args.output) // 16)
