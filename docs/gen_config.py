@@ -28,14 +28,15 @@ OTHER_VARIABLES = [
     ("HF_HUB_CACHE, HF_HOME", "the Hugging Face cache a repo id is looked up in, else `$HF_HOME/hub`, else "
      "`~/.cache/huggingface/hub`; nothing is downloaded (`shared/model_source.py`)", "`~/.cache/huggingface/hub`"),
     ("KAITEN_CPU_ISA", "build the C++ kernels for this ISA instead of the CPU's own: `avx512bf16`, `avx512`, `avx2` "
-     "or `default` (portable code), e.g. to run the AVX2 build on an AVX-512 CPU (`kernels/cpu_attention.py`)", "the CPU's"),
-    ("TORCH_EXTENSIONS_DIR", "where the kernels' builds are cached (`kernels/cpu_attention.py`)",
+     "or `default` (portable code), e.g. to run the AVX2 build on an AVX-512 CPU (`kernels/cpu_ops_build.py`)", "the CPU's"),
+    ("TORCH_EXTENSIONS_DIR", "where the C++ CPU ops' builds are cached (`kernels/cpu_ops_build.py`; "
+     "the engine image's are in `/opt/kaiten/kernels`)",
      "`~/.cache/kaiten/torch_extensions`"),
     ("TORCHINDUCTOR_CACHE_DIR", "Inductor's cache of the compiled CPU forward (`engine_worker/model/compiled_forward.py`)",
      "`~/.cache/kaiten/inductor`"),
     ("XDG_CACHE_HOME", "where `--dtype auto` keeps its measured GEMM rates, `kaiten/gemm_rate_cache.json` "
      "(`engine_worker/model/dtype_choice.py`)", "`~/.cache`"),
-    ("CXX", "the C++ compiler that builds the kernels", "`c++`"),
+    ("CXX", "the C++ compiler that builds the C++ CPU ops", "`c++`"),
     ("KAITEN_LOG_LEVEL, KAITEN_LOG_FORMAT", "every process's log level and format (`--log-level`, `--log-format`)",
      "`INFO`, `text`"),
     ("KAITEN_ENGINES_PER_MODEL, KAITEN_READY_TIMEOUT, KAITEN_STOP_TIMEOUT, KAITEN_MODELS_FILE",
@@ -46,7 +47,7 @@ UNREAD_VARIABLES = {"KAITEN_DRAIN_TIMEOUT"}
 
 COMMANDS = [   # (command, module, how to get its parser, the config classes its flags fill)
     ("kaiten serve", "shared.launcher", "build_parser", ("EngineConfig", "GatewayConfig")),
-    ("kaiten engine", "engine_worker.worker", "build_parser", ("EngineConfig", "WorkerConfig")),
+    ("kaiten engine", "engine_worker.cli", "build_parser", ("EngineConfig", "WorkerConfig")),
     ("kaiten gateway", "gateway.cli", "build_parser", ("GatewayConfig",)),
     ("kaiten tokenizer", "tokenizer_service.service", "main", ("TokenizerServiceConfig",)),
     ("kaiten generate", "engine_worker.engine.offline", "main", ()),

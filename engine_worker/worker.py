@@ -1,10 +1,5 @@
-"""`kaiten engine`: one engine worker serving the Redis request stream.
-
-    kaiten engine [--model DIR] [--redis-url URL] [--engine-id ID] [--dtype ...] [--device ...] ...
-
-Configuration: ``EngineConfig.from_env()`` and ``WorkerConfig.from_env()`` (``KAITEN_*``,
-``REDIS_URL``), then the CLI flags that were given. An empty ``--model`` means the default model
-(``shared.gguf_convert.ensure_default_model()``).
+"""EngineWorker: one engine worker serving the Redis request stream (its CLI, `kaiten engine`, is
+engine_worker/cli.py).
 
 The loop (``EngineWorker.run``)::
 
@@ -28,11 +23,9 @@ computed) and exits: the gateways move them to the other engines.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -54,8 +47,6 @@ from engine_worker.stream_reader import AbortReader, ControlReader, RequestReade
 from engine_worker.worker_stats import Counters, LatencyStats
 from shared import names
 from shared.config import EngineConfig, WorkerConfig
-from shared.config_cli import add_config_flags, config_overrides
-from shared.log_format import add_log_flags, setup_logging
 from shared.redis_conn import min_socket_timeout_for_block, redis_client
 
 log = logging.getLogger("kaiten.worker")
@@ -404,64 +395,3 @@ class EngineWorker:
 
     def overhead_report(self) -> str:
         return f"redis round trip {self.round_stats}; engine.step {self.step_stats}"
-
-
-# ---------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kaiten engine", description="Run one engine worker on the Redis request stream.")
-    parser.add_argument("--model", default=None, help="a model directory, a GGUF file or a Hugging Face repo id "
-                        "in the local cache (env KAITEN_MODEL; default: the default SmolLM2)")
-    parser.add_argument("--redis-url", dest="redis_url", default=None, help="Redis URL (env REDIS_URL)")
-    parser.add_argument("--engine-id", dest="engine_id", default=None,
-                        help="consumer name; stable per deployment (env KAITEN_ENGINE_ID; default: hostname)")
-    add_log_flags(parser)
-    parser.add_argument("--healthcheck", action="store_true",
-                        help="exit 0 if this engine's heartbeat is in Redis (for container healthchecks)")
-    add_config_flags(parser.add_argument_group("engine"), EngineConfig, skip={"model", "offline"})
-    add_config_flags(parser.add_argument_group("worker"), WorkerConfig, skip={"redis_url", "engine_id"})
-    return parser
-
-
-def configs_from_args(args: argparse.Namespace, resolve_model: bool = True) -> tuple[EngineConfig, WorkerConfig]:
-    ecfg = EngineConfig.from_env().with_overrides(**config_overrides(args, EngineConfig))
-    wcfg = WorkerConfig.from_env().with_overrides(**config_overrides(args, WorkerConfig))
-    if resolve_model:
-        from shared.model_source import resolve_model as resolve
-        ecfg = ecfg.with_overrides(model=str(resolve(ecfg.model)))
-    return ecfg, wcfg
-
-
-def healthcheck(wcfg: WorkerConfig) -> int:
-    """0 when the heartbeat of this host's engine (or of --engine-id) is fresh in Redis.
-
-    Containers use the lighter ``python -m shared.healthcheck engine`` (no torch import)."""
-    from shared.healthcheck import engine_heartbeat
-    ok, why = engine_heartbeat(wcfg.redis_url, wcfg.engine_id or default_engine_id(), wcfg.heartbeat_ttl)
-    print(("healthy: " if ok else "unhealthy: ") + why, file=sys.stdout if ok else sys.stderr)
-    return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging(args.log_level, args.log_format)
-    if args.healthcheck:
-        return healthcheck(configs_from_args(args, resolve_model=False)[1])
-    from shared.model_source import MODEL_ERRORS
-    try:
-        ecfg, wcfg = configs_from_args(args)
-        ecfg.speculative()                 # a bad --speculative-config fails here, saying why
-        ecfg.lora_module_paths()           # and a bad --lora-modules entry
-    except ValueError as e:
-        print(f"kaiten engine: {e}", file=sys.stderr)
-        return 2
-    try:
-        worker = EngineWorker(ecfg, wcfg)
-    except MODEL_ERRORS as e:              # a model this engine cannot run (a rope type, ...)
-        print(f"kaiten engine: {e}", file=sys.stderr)
-        return 2
-    worker.install_signal_handlers()
-    return worker.run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -83,32 +83,3 @@ class TwoCalls:
                                window: int = 0):
         self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         return self.attention(q, k_cache, v_cache, meta, scale, window)
-
-
-def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """'auto' picks flash-attn, then Triton, on CUDA; on the CPU the fused C++ kernel ('cpu') when
-    it builds here, else torch (the reference, always selectable by name)."""
-    device = torch.device(device)
-    if name == "auto":
-        if device.type == "cuda":
-            try:
-                import flash_attn  # noqa: F401
-                name = "flash_attn"
-            except ImportError:
-                name = "triton"
-        else:
-            from kernels.cpu_attention import cpp_attention_available
-            name = "cpu" if cpp_attention_available() else "torch"
-    if name == "cpu":
-        from kernels.cpu_attention import CppAttention
-        return CppAttention()
-    if name == "torch":
-        from kernels.torch_attention import TorchAttention
-        return TorchAttention()
-    if name == "triton":
-        from kernels.triton_attention import TritonAttention
-        return TritonAttention()
-    if name == "flash_attn":
-        from kernels.flash_attention import FlashAttention
-        return FlashAttention()
-    raise ValueError(f"unknown attention backend {name!r} (cpu, torch, triton, flash_attn, auto)")

@@ -8,7 +8,7 @@ extras="${1:-}"
 
 need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
-command -v g++ >/dev/null || need_apt+=(g++)            # builds the C++ CPU attention kernel on first use
+command -v g++ >/dev/null || need_apt+=(g++)            # builds the C++ CPU ops (below) and Inductor's code
 if [[ "$extras" == *test* ]]; then
   [ -x /usr/bin/chromium ] || need_apt+=(chromium chromium-driver)
   command -v nginx >/dev/null || need_apt+=(nginx-light)               # tests run docker/nginx.conf
@@ -28,11 +28,24 @@ fi
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=".venv/.kaiten-installed-${extras:-base}-$(sha1sum pyproject.toml | cut -c1-12)"
+# The C++ CPU ops (kernels/cpu_ops_build.py) build in the background of the rest of the install,
+# once torch and ninja are there, into the cache `kaiten serve` loads them from.
+build_kernels() {
+  PYTHONPATH="$PWD" .venv/bin/python -m shared.cli kernels >.venv/kaiten-kernels.log 2>&1 &
+  kernels_pid=$!
+}
+kernels_pid=""
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: the CPU wheel on disk. An unpinned torch would pull a CUDA build.
-  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q "torch==2.13.0" "ninja==1.13.0"
+  build_kernels
   spec="."; [ -n "$extras" ] && spec=".[$extras]"
   .venv/bin/python -m pip install -q -e "$spec"
   touch "$stamp"
+else
+  build_kernels
 fi
+# its one line: where the ops are, or what failed (the engine then runs on torch's ops)
+wait "$kernels_pid" || echo "setup: the engine will use torch's ops instead (full log: .venv/kaiten-kernels.log)" >&2
+grep '^kaiten kernels:' .venv/kaiten-kernels.log >&2 || tail -n 5 .venv/kaiten-kernels.log >&2

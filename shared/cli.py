@@ -7,11 +7,12 @@ import sys
 SUBCOMMANDS = {
     "serve": ("shared.launcher", "Serve MODEL: Redis (if needed), one engine worker and one gateway, like vllm serve"),
     "up": ("shared.launcher", "The same as serve"),
-    "engine": ("engine_worker.worker", "Run one engine worker on a Redis stream"),
+    "engine": ("engine_worker.cli", "Run one engine worker on a Redis stream"),
     "gateway": ("gateway.cli", "Run one OpenAI-compatible gateway"),
     "tokenizer": ("tokenizer_service.service", "Run the tokenizer service"),
     "generate": ("engine_worker.engine.offline", "Generate offline, without Redis (the engine as a library)"),
     "convert": ("shared.convert_cli", "Convert the default model or a GGUF file into a model directory, once"),
+    "kernels": ("kernels.cpu_ops_build", "Build the C++ CPU ops for this CPU, once (setup.sh and the engine image do)"),
 }
 
 

@@ -5,7 +5,7 @@ processes minutes apart differed by up to 1.7x (Zen 3, 2026-11-28).
 
 The revision's kernels/csrc is read with `git archive`; the source's ops are registered under
 kaiten_ab_<source name> instead of kaiten_cpu, and it is built with the extension's own flags for
-this machine's ISA (kernels/cpu_attention.cpu_capability, build_flags), the headers beside it as in
+this machine's ISA (kernels/cpu_ops_build.cpu_capability, OPT_FLAGS), the headers beside it as in
 the checkout, once per source, headers, flags and compiler (~/.cache/kaiten/kernel_ab, named and
 staged as the extension's own build is: kernel_digest, stage_files).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_attention import build_flags, cpu_capability, kernel_digest, stage_files
+from kernels.cpu_ops_build import OPT_FLAGS, cpu_capability, kernel_digest, stage_files
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = "kernels/csrc"
@@ -48,6 +48,6 @@ def base_ops(rev: str, source: str, tag: str = ""):
     build = BUILDS / name
     stage_files(build, build_files)
     from torch.utils import cpp_extension
-    cpp_extension.load(name=name, sources=[str(build / source)], **build_flags(cflags), build_directory=str(build),
-                       is_python_module=False, verbose=False)
+    cpp_extension.load(name=name, sources=[str(build / source)], extra_cflags=[*OPT_FLAGS, *cflags],
+                       extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace)

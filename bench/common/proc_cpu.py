@@ -10,7 +10,8 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 ROLES = (("redis-server", "redis"), ("shared.cli gateway", "gateway"), ("gateway.cli", "gateway"),
-         ("shared.cli engine", "engine"), ("engine_worker.worker", "engine"), ("shared.cli serve", "launcher"))
+         ("shared.cli engine", "engine"), ("engine_worker.worker", "engine"), ("engine_worker.cli", "engine"),
+         ("shared.cli serve", "launcher"))
 
 
 def _stat(path: Path) -> list[str] | None:

@@ -12,7 +12,7 @@ GGUF file, or the default model) with quantization auto, the given --dtype and p
            prompts x context, 2 untimed steps, then the median of 5, in ms a prompt token.
 
 The table gives each tree's median over the rounds and the ratio working tree / base (below 1:
-the working tree is faster). KAITEN_CPU_ISA (kernels/cpu_attention.py) picks the extension's build
+the working tree is faster). KAITEN_CPU_ISA (kernels/cpu_ops_build.py) picks the C++ ops' build
 for both, e.g. avx2 to time an AVX2 CPU's code on an AVX-512 one.
 
     .venv/bin/python bench/engine/engine_steps_ab.py --base REV [--model GGUF] [--dtype float32] [--batch 32]
@@ -111,7 +111,7 @@ def main() -> int:
     from bench.common.machine import cpu_flags, cpu_name, load_avg
     from bench.common.results_files import write_results
     from bench.common.timing import interleaved
-    from kernels.cpu_attention import cpu_capability
+    from kernels.cpu_ops_build import cpu_capability
     argv = ["--model", args.model, "--dtype", args.dtype, "--batch", str(args.batch), "--context",
             str(args.context), "--prompts", str(args.prompts)]
     trees = {"base": worktree(args.base), "working tree": ROOT}

@@ -103,7 +103,7 @@ def engine_rounds(args, model_dir: Path, adapters: dict[str, str]) -> dict:
 def kernel_times(model_dir: Path, runs: int) -> dict:
     """ms per layer (4 projections) for a decode batch of 32 tokens over 4 adapters."""
     from engine_worker.model.config import ModelConfig
-    from kernels.cpu_attention import cpp_attention_available
+    from kernels.cpu_ops_build import cpu_ops_available
     shapes = projection_shapes(ModelConfig.from_dir(model_dir))
     torch.manual_seed(0)
     slots = torch.arange(CONCURRENCY) % NUM_ADAPTERS
@@ -123,7 +123,7 @@ def kernel_times(model_dir: Path, runs: int) -> dict:
     fns = {"padded_ms": lambda: [lora_add_(y, x, a, b, outs, *padded.args()) for y, x, a, b, outs in layer],
            "per_slot_ms": lambda: [lora_add_(y, x, a, b, outs, *segmented.args()) for y, x, a, b, outs in layer],
            "gathered_ms": gathered}
-    if cpp_attention_available():
+    if cpu_ops_available():
         fns["cpp_ms"] = lambda: [torch.ops.kaiten_cpu.lora_add_(y, x, a, b, outs, segmented.token_index,
                                                                 segmented.bounds) for y, x, a, b, outs in layer]
     with torch.inference_mode():

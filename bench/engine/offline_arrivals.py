@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common.machine import cpu_flags, cpu_id, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir, write_results  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
-from kernels.cpu_attention import cpu_capability  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 
 
 def run(llm: LLM, args) -> tuple[int, float, list[float]]:

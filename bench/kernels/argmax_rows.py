@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir, write_results  # noqa: E402
 from bench.common.timing import interleaved  # noqa: E402
-from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability, load_cpu_ops  # noqa: E402
 
 RESULTS = results_dir(__file__)
 VOCAB = 49152
@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--out", default="argmax_rows")
     args = ap.parse_args()
-    load_extension()
+    load_cpu_ops()
     ops = {"torch.argmax": lambda x: x.argmax(-1), "kaiten_cpu::argmax_rows": torch.ops.kaiten_cpu.argmax_rows}
     load0 = load_avg()
     runs = {}

@@ -27,7 +27,7 @@ from bench.common.base_kernel import base_ops  # noqa: E402
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 from engine_worker.model.host_memory import zeros_on_huge_pages  # noqa: E402
-from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability, load_cpu_ops  # noqa: E402
 
 RESULTS = results_dir(__file__)
 LAYERS, BLOCKS, BS, HKV, D, HQ = 30, 4096, 16, 3, 64, 9
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default="attention_ab")
     args = ap.parse_args()
-    load_extension()
+    load_cpu_ops()
     ops = {"base": base_ops(args.base, "paged_attention_cpu.cpp").paged_attention,
            "working tree": torch.ops.kaiten_cpu.paged_attention}
     torch.manual_seed(0)

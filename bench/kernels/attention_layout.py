@@ -27,7 +27,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir, write_results  # noqa: E402
 from bench.kernels.attention_one_stream import BLOCKS, BS, D, HKV, HQ, LAYERS, decode_meta  # noqa: E402
 from engine_worker.model.host_memory import zeros_on_huge_pages  # noqa: E402
-from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability, load_cpu_ops  # noqa: E402
 
 RESULTS = results_dir(__file__)
 
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
     ap.add_argument("--out", default=str(RESULTS / "attention_layout"))
     args = ap.parse_args()
-    load_extension()
+    load_cpu_ops()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

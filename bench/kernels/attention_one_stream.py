@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir, write_results  # noqa: E402
 from engine_worker.model.host_memory import zeros_on_huge_pages  # noqa: E402
-from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability, load_cpu_ops  # noqa: E402
 
 RESULTS = results_dir(__file__)
 LAYERS, BLOCKS, BS, HKV, D, HQ = 30, 4096, 16, 3, 64, 9
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--out", default=str(RESULTS / "attention_one_stream"))
     args = ap.parse_args()
-    load_extension()
+    load_cpu_ops()
     torch.manual_seed(0)
     load0 = load_avg()
     def cache(dtype):

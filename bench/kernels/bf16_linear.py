@@ -26,7 +26,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 from bench.kernels.quant_linear import SHAPES, measure  # noqa: E402
 from engine_worker.model.packed_linear import PackedLinear  # noqa: E402
-from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability, load_cpu_ops  # noqa: E402
 
 RESULTS = results_dir(__file__)
 DIRECT, DENSE = 1 << 30, 1
@@ -52,7 +52,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    load_extension()
+    load_cpu_ops()
     rows = [int(r) for r in args.rows.split(",")]
     meta = {"cpu": cpu_name(), "flags": cpu_flags(), "threads": args.threads, "isa": cpu_capability()[0],
             "torch": torch.__version__, "load_before": load_avg(), "rounds": args.rounds}

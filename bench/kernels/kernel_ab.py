@@ -35,7 +35,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 from bench.kernels.quant_linear import NEVER, SHAPES, quantized  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
-from kernels.cpu_attention import cpu_capability, load_extension  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability, load_cpu_ops  # noqa: E402
 
 RESULTS = results_dir(__file__)
 # (min_dense_rows, int8_rows) forcing each method
@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--noise", type=float, default=0.0, help="a neighbour busy this fraction of one core")
     ap.add_argument("--out", default="kernel_ab")
     args = ap.parse_args()
-    load_extension()
+    load_cpu_ops()
     also = [rev for rev in args.also.split(",") if rev]
     ops = {"base": base_ops(args.base, "quant_linear_cpu.cpp").quant_linear}
     ops.update({rev: base_ops(rev, "quant_linear_cpu.cpp", f"_also{i}").quant_linear for i, rev in enumerate(also)})

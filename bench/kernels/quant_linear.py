@@ -34,7 +34,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 from engine_worker.model.packed_linear import PackedLinear  # noqa: E402
 from engine_worker.model.quant_layers import QuantLinear  # noqa: E402
-from kernels.cpu_attention import cpu_capability, int8_activations_built, load_extension  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability, int8_activations_built, load_cpu_ops  # noqa: E402
 from shared.gguf_quant import PackedWeight, repack  # noqa: E402
 
 RESULTS = results_dir(__file__)
@@ -109,7 +109,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    load_extension()
+    load_cpu_ops()
     lines = [f"# quant_linear on SmolLM2-135M shapes, {args.dtype} activations\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), {args.threads} threads, "
              f"extension ISA {cpu_capability()[0]}, torch {torch.__version__}, load before {load_avg()}.\n",

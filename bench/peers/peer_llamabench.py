@@ -31,7 +31,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir, write_results  # noqa: E402
 from bench.common.timing import interleaved  # noqa: E402
 from bench.peers.peer_llamacpp import LLAMA_PEER, gguf_path  # noqa: E402
-from kernels.cpu_attention import cpu_capability  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
 
 RESULTS = results_dir(__file__)

@@ -34,7 +34,7 @@ from bench.engine.engine_steps_ab import worktree  # noqa: E402
 from bench.peers.peer_offline import DEFAULT_PEER  # noqa: E402
 from bench.peers.peer_serve import (Server, interleaved_runs, pair_rows, paired_ratio, round_ratios,  # noqa: E402
                                     rounds_note, start_server, stop_server)
-from kernels.cpu_attention import cpu_capability  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
 from shared.launcher import free_port  # noqa: E402
 

@@ -26,7 +26,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 from bench.weights.quant_decode import TEXT, decode_ms, weight_bytes  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
-from kernels.cpu_attention import cpu_capability  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 
 RESULTS = results_dir(__file__)
 BF16, FP32 = "bf16 weights kept, widened in the kernel", "fp32 copy of the same weights (before)"

@@ -1,5 +1,6 @@
 """Start-up from a new GGUF file (conversion + engine load, compile warm-up included) and the
-engine's resident weight bytes against the GGUF's tensor bytes, --quantization auto vs none, for
+engine's resident weight bytes against the GGUF's tensor bytes (rotary cos/sin tables, which
+checkouts before 1b76c7f kept by position, apart), --quantization auto vs none, for
 this checkout and, as "today", another one (--baseline: a checkout, e.g. from
 `git archive BASE | tar -x -C DIR`; one from before --quantization runs as it is, "-"). The
 issue's "today" is the commit before quantized serving: 4eec86b~1.
@@ -45,9 +46,9 @@ llm = LLM(str(model_dir), kv_cache_memory="64MiB", **({"quantization": sys.argv[
 t2 = time.perf_counter()
 model = llm.engine.runner.model
 seen = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
-rope = model.rope.cos.numel() * model.rope.cos.element_size() * 2
+rope = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in ("cos", "sin"))
 print(json.dumps({"convert_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0,
-                  "weights_bytes": sum(seen.values()) - rope, "dtype": str(llm.engine.runner.dtype),
+                  "weights_bytes": sum(seen.values()) - rope, "rope_table_bytes": rope, "dtype": str(llm.engine.runner.dtype),
                   "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
@@ -73,11 +74,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", type=Path, required=True, help="a checkout of the code to compare with")
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_startup")
+    ap.add_argument("--quantization", default="auto,none", help="the modes to run, where a checkout has them")
     args = ap.parse_args()
     from bench.weights.perplexity import default_gguf
     gguf = args.gguf or default_gguf()
     checkouts = {"this branch": ROOT, "today (baseline)": args.baseline}
-    variants = [(c, q) for c, path in checkouts.items() for q in quantizations(path)]
+    variants = [(c, q) for c, path in checkouts.items() for q in quantizations(path)
+                if q == "-" or q in args.quantization.split(",")]
     meta = {"cpu": cpu_name(), "flags": cpu_flags(), "load_before": load_avg(), "gguf": gguf.name,
             "gguf_tensor_bytes": gguf_tensor_bytes(gguf), "gguf_file_bytes": gguf.stat().st_size,
             "baseline": str(args.baseline), "rounds": args.rounds}
@@ -110,12 +113,13 @@ def render(meta: dict, rows: dict) -> str:
              f"{meta['gguf_tensor_bytes'] / 1e6:.1f} MB of tensors ({meta['gguf_file_bytes'] / 1e6:.1f} MB file). "
              f"Today: {meta['baseline']}.\n",
              "| checkout / quantization | compute dtype | convert s | load s | start-up s | vs today | "
-             "resident weights MB | / GGUF tensors | max RSS MB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "resident weights MB | / GGUF tensors | rotary tables MB | max RSS MB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
         lines.append(f"| {name} | {r['dtype'].removeprefix('torch.')} | {r['convert_s']:.2f} | {r['load_s']:.2f} | "
                      f"{r['total_s']:.2f} | {r['total_s'] / base:.2f}x | {r['weights_bytes'] / 1e6:.1f} | "
-                     f"{r['weights_bytes'] / meta['gguf_tensor_bytes']:.2f}x | {r['max_rss_bytes'] / 1e6:.0f} |")
+                     f"{r['weights_bytes'] / meta['gguf_tensor_bytes']:.2f}x | {r.get('rope_table_bytes', 0) / 1e6:.1f} | "
+                     f"{r['max_rss_bytes'] / 1e6:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ from bench.weights.perplexity import int8_rows  # noqa: E402
 from bench.weights.quant_decode import decode_ms, perplexity  # noqa: E402
 from bench.weights.quant_prefill import prefill_ms_per_token  # noqa: E402
 from engine_worker import LLM  # noqa: E402
-from kernels.cpu_attention import cpu_capability  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 
 EVERY = 1 << 30
 

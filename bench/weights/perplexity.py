@@ -46,7 +46,7 @@ from engine_worker import LLM, SamplingParams  # noqa: E402
 from engine_worker.model import quant_layers  # noqa: E402
 from engine_worker.model.packed_linear import PackedLinear  # noqa: E402
 from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear  # noqa: E402
-from kernels.cpu_attention import cpu_capability, int8_activations_built, int8_x_levels  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability, int8_activations_built, int8_x_levels  # noqa: E402
 
 RESULTS = results_dir(__file__)
 TEXT = Path("/usr/share/common-licenses/GPL-3")

@@ -30,7 +30,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 from bench.engine.engine_throughput import step_until_decoding  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
-from kernels.cpu_attention import cpu_capability  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 
 RESULTS = results_dir(__file__)
 ENGINES = {"quantized (auto), dtype auto": {"quantization": "auto"},

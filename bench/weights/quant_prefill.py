@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
-from kernels.cpu_attention import cpu_capability  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 from shared.config import CPU_TOKEN_BUDGET  # noqa: E402
 from shared.gguf_convert import ensure_default_model  # noqa: E402
 

@@ -34,7 +34,7 @@ from bench.common.results_files import results_dir  # noqa: E402
 from bench.engine.engine_throughput import step_until_decoding  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
 from engine_worker.model.quant_tiles import TILE_ROWS  # noqa: E402
-from kernels.cpu_attention import cpu_capability  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 
 RESULTS = results_dir(__file__)
 NAMES = {960: "qkv", 576: "o or down", 3072: "gate_up", 49152: "lm_head"}   # by output features

@@ -28,7 +28,7 @@ from bench.common.timing import interleaved, step_ms  # noqa: E402
 from bench.engine.engine_throughput import start_decoding  # noqa: E402
 from engine_worker import LLM  # noqa: E402
 from engine_worker.model.host_memory import into_one_mapping, movable_weights  # noqa: E402
-from kernels.cpu_attention import cpu_capability  # noqa: E402
+from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 
 RESULTS = results_dir(__file__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_worker.engine.sequence import Sequence
-from kernels.cpu_attention import cpu_ops_loaded
+from kernels.cpu_ops_build import cpu_ops_loaded
 from shared.protocol import TokenLogprob
 
 

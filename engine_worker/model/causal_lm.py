@@ -78,7 +78,7 @@ class CausalLM(nn.Module):
                 if key not in rope_keys:
                     rope_keys.append(key)
                     inv_freq, scaling = inverse_frequencies(cfg.hf, cfg.layer_types[i], cfg.head_dim, max_model_len)
-                    self.ropes.append(RotaryEmbedding(inv_freq, scaling, max_model_len))
+                    self.ropes.append(RotaryEmbedding(inv_freq, scaling))
                 rope_index = rope_keys.index(key)
             slides = cfg.layer_types[i] == SLIDING and cfg.sliding_window < max_model_len
             layers.append(self.build_layer(i, cfg.sliding_window if slides else 0, rope_index))
@@ -102,7 +102,7 @@ class CausalLM(nn.Module):
     # ---- the forward pass ---------------------------------------------------------------------
     def forward(self, input_ids, positions, kv_caches, meta, backend, lora: LoraBatch | None = None) -> torch.Tensor:
         x = self.embed(input_ids)
-        ropes = [rope(positions) for rope in self.ropes]
+        ropes = [rope(positions, x.dtype) for rope in self.ropes]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, ropes, kv_cache, meta, backend, lora)
         return self.norm(x)

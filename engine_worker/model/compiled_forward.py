@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from engine_worker.model.lora_layers import LoraBatch
-from kernels.interface import AttentionBackend, AttentionMetadata, TwoCalls, get_attention_backend
+from kernels.interface import AttentionBackend, AttentionMetadata, TwoCalls
+from kernels.registry import get_attention_backend
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels.cpu_attention import cpu_ops_loaded
+from kernels.cpu_ops_build import cpu_ops_loaded
 
 
 def projection_shapes(cfg) -> dict[str, tuple[int, list[int]]]:

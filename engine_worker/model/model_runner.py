@@ -17,8 +17,9 @@ from engine_worker.model.config import ModelConfig
 from engine_worker.model.packed_linear import PackedLinear
 from engine_worker.model.registry import model_class
 from engine_worker.model.lora_layers import LoraBatch, projection_shapes
-from kernels.cpu_attention import cpp_attention_available
-from kernels.interface import AttentionMetadata, get_attention_backend
+from kernels.cpu_ops_build import cpu_ops_available
+from kernels.interface import AttentionMetadata
+from kernels.registry import get_attention_backend
 from shared import gguf_quant
 from shared.config import EngineConfig, parse_memory
 from shared.gguf_quant import QUANTIZED_FILE
@@ -121,7 +122,7 @@ class ModelRunner:
             raise ValueError(f"unknown quantization {self.config.quantization!r}; choose auto or none")
         if self.config.quantization == "none" or not path.is_file():
             return {}
-        if self.device.type != "cpu" or not cpp_attention_available():
+        if self.device.type != "cpu" or not cpu_ops_available():
             log.warning("the quantized weights in %s need the CPU kernel; using the dequantized ones", path)
             return {}
         packed = gguf_quant.load(path)
@@ -133,7 +134,7 @@ class ModelRunner:
         """bf16-stored weights in an fp32 model on the CPU stay bf16 (half the memory and the bytes
         a step reads) where the CPU kernel loads; elsewhere they widen to fp32 at load."""
         return (self.device.type == "cpu" and self.dtype == torch.float32 and stored_in_bf16(model_dir)
-                and cpp_attention_available())
+                and cpu_ops_available())
 
     def _kv_cache_dtype(self, quantized: bool) -> torch.dtype:
         """--kv-cache-dtype: 'auto' is fp16 where the engine serves a GGUF's quantized weights as

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu_attention import cpu_ops_loaded
+from kernels.cpu_ops_build import cpu_ops_loaded
 
 
 class PackedLinear(nn.Module):

@@ -13,7 +13,7 @@
 //
 // One source for AVX-512, AVX2 and portable code: at::vec's Vectorized<float> and load_to_float
 // take their implementation from CPU_CAPABILITY_* as in the other kernels.
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -10,7 +10,7 @@
 // stored back; each block of B is read once per tile of tokens from L1. Threads split the tiles
 // of the shrink and the column blocks of the expand. One source for AVX-512, AVX2 and portable
 // code through at::vec, as in the other kernels.
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -2,7 +2,7 @@
 // (torch.ops.mkldnn._reorder_linear_weight), as a dispatcher op a compiled graph calls directly.
 // Inductor lowers mkldnn::_linear_pointwise only for frozen (constant) weights, and an op defined
 // in Python costs about 15 us a call in its layers of wrappers: a decode step makes 121 of them.
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 

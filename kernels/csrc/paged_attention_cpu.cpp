@@ -41,7 +41,7 @@
 //
 // Written against ATen's at::vec::Vectorized<float>; the build picks AVX-512 or AVX2 through the
 // CPU_CAPABILITY_* macro and the matching -m flags, and needs -fopenmp (kernels/cpu_attention.py).
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
@@ -1097,6 +1097,3 @@ TORCH_LIBRARY_IMPL(kaiten_cpu, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("write_kv_attention", &write_kv_attention);
 }
-
-// The Python module cpp_extension imports: loading it registers the ops above.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -50,7 +50,7 @@
 // One source for AVX-512 and AVX2 (at::vec::Vectorized<float>, with the byte unpacking in the
 // matching intrinsics) and a portable fallback; the ISA comes from CPU_CAPABILITY_* as in
 // paged_attention_cpu.cpp.
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <vector>
 

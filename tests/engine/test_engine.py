@@ -87,8 +87,8 @@ def test_compiled_cpu_graph_calls_the_extension_ops(tiny_model_dir, prompts, exp
     """With the C++ CPU kernel loaded, the compiled graph calls its dispatcher ops (kaiten_cpu::
     write_kv_attention, a layer's KV write and attention in one call, and packed_linear) and none
     of the Python-defined ones."""
-    from kernels.cpu_attention import cpp_attention_available
-    if not cpp_attention_available():
+    from kernels.cpu_ops_build import cpu_ops_available
+    if not cpu_ops_available():
         pytest.skip("the C++ kernel is unavailable")
     llm = make_llm(tiny_model_dir, attention_backend="cpu")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -144,7 +144,8 @@ def test_attention_ops_outside_a_step_match_the_backend():
     """The compiled forward's custom ops, called without a step context, find the backend by
     name and rebuild the metadata from its tensors; pad rows (slot -1) write no KV."""
     from engine_worker.model.compiled_forward import paged_attention, write_kv
-    from kernels.interface import AttentionMetadata, get_attention_backend
+    from kernels.interface import AttentionMetadata
+    from kernels.registry import get_attention_backend
     torch.manual_seed(0)
     k_cache, v_cache = torch.zeros(2, 4, 16, 2, 16), torch.zeros(2, 4, 16, 2, 16)
     key, value, q = torch.randn(6, 2, 16), torch.randn(6, 2, 16), torch.randn(6, 4, 16)
@@ -262,7 +263,7 @@ def test_event_times_are_ordered(tiny_model_dir, prompts):
 
 def test_kv_cache_dtype_flag_reaches_the_engine():
     """`kaiten serve --kv-cache-dtype` is handed to the engine (not the gateway), whose config takes it."""
-    from engine_worker.worker import build_parser, configs_from_args
+    from engine_worker.cli import build_parser, configs_from_args
     from shared.launcher import build_parser as serve_parser
     from shared.up_flags import child_args
     args = serve_parser().parse_args(["--kv-cache-dtype", "float16"])

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from engine_worker.model.bf16_layers import MIN_DENSE_ROWS, Bf16Embedding, Bf16Linear
-from kernels.cpu_attention import cpp_attention_available
+from kernels.cpu_ops_build import cpu_ops_available
 from tests.support.llm_support import greedy, hf_greedy, make_llm, make_prompts, run_staggered
 from tests.support.tiny_model import build_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
 
 
 @pytest.fixture(scope="module", params=[("llama", False), ("llama", True), ("qwen2", True)],

@@ -10,11 +10,11 @@ import torch
 from engine_worker import LLM, SamplingParams
 from engine_worker.model import quant_layers
 from engine_worker.model.quant_layers import QuantEmbedding, QuantLinear
-from kernels.cpu_attention import cpp_attention_available
+from kernels.cpu_ops_build import cpu_ops_available
 from tests.support.gguf_files import write_llama_gguf
 from tests.support.tiny_model import build_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
 
 PROMPTS = ["The capital of France is", "Hello world! How are", "A paged KV cache stores keys", "0123456789"]
 # Logprobs of the same tokens, quantized vs dequantized: the dequantized weights are rounded to

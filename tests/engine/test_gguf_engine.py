@@ -12,7 +12,7 @@ import torch
 from engine_worker import LLM, SamplingParams
 from engine_worker.model import quant_layers
 from engine_worker.model.quant_layers import QuantLinear
-from kernels.cpu_attention import cpp_attention_available
+from kernels.cpu_ops_build import cpu_ops_available, int8_x_levels
 from shared.gguf_convert import convert_gguf
 from tests.support.family_models import (FAMILIES, ORIGINAL_CONTEXT, SENTENCEPIECE_FAMILIES, WINDOW,
                                          build_family_model, convert_model_only, dequantized_gguf, llama_cpp_gguf,
@@ -29,8 +29,10 @@ QTYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "
 # fp32 with an fp32 KV cache (the random models' logprobs average -16). Exact activations: equal
 # (measured 0.0 apart). Int8 activations (x rounded per block of 32, as llama.cpp does): measured
 # on a 2-core Zen 4 (AVX-512 VNNI build) up to 0.80 apart, mean 0.15 (llama), 0.28 / 0.07
-# (gemma3), 0.12 / 0.03 (qwen3); a wrong block layout or scale moves them by whole units.
-TOLERANCE = {"exact": (1e-4, 1e-5), "int8": (1.5, 0.25)}      # max, mean
+# (gemma3), 0.12 / 0.03 (qwen3). Where the build rounds x to 7 bits against int8 weights (AVX2,
+# no VNNI: 63 levels, twice the step), on a 2-core Zen 3: up to 2.83 apart, mean 0.31 (llama).
+# A wrong block layout or scale moves the mean by whole units.
+INT8_TOLERANCE = {127: (1.5, 0.25), 63: (3.5, 0.5)}      # by int8_x_levels(8): max, mean
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -59,7 +61,7 @@ def test_an_f32_file_gives_the_source_models_greedy_tokens(family, family_gguf, 
     assert ORIGINAL_CONTEXT < min(PROMPT_LENGTHS)
 
 
-@pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
+@pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
 @pytest.mark.parametrize("family", QUANTIZED_FAMILIES)
 def test_a_quantized_file_is_served_as_stored_as_its_dequantized_values(family, smollm2_dir, tmp_path):
     """Q4_K needs inputs in blocks of 256: a model with a hidden size of 256."""
@@ -85,7 +87,7 @@ def test_a_quantized_file_is_served_as_stored_as_its_dequantized_values(family, 
     for activations, llm in engines.items():
         diffs = [abs(x.logprob - y.logprob) for a, b in zip(llm.generate(ps, params), want)
                  for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
-        most, mean = TOLERANCE[activations]
+        most, mean = (1e-4, 1e-5) if activations == "exact" else INT8_TOLERANCE[int8_x_levels(8)]
         assert max(diffs) < most and sum(diffs) / len(diffs) < mean, (activations, max(diffs), sum(diffs) / len(diffs))
 
 

@@ -239,7 +239,7 @@ def test_lora_disabled(tiny_model_dir, adapters):
 
 
 def test_lora_config_and_flags(monkeypatch):
-    from engine_worker.worker import build_parser, configs_from_args
+    from engine_worker.cli import build_parser, configs_from_args
     args = build_parser().parse_args(["--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-cpu-loras", "5",
                                       "--max-lora-rank", "32"])
     cfg, _ = configs_from_args(args, resolve_model=False)
@@ -288,7 +288,7 @@ def test_lora_add_layouts_equal_per_token(slots):
     through its own rank columns."""
     import numpy as np
     from engine_worker.model.lora_layers import LoraBatch, lora_add_
-    from kernels.cpu_attention import cpp_attention_available
+    from kernels.cpu_ops_build import cpu_ops_available
     torch.manual_seed(0)
     slots = np.array(slots)
     x, y = torch.randn(len(slots), 40), torch.randn(len(slots), 64)
@@ -297,7 +297,7 @@ def test_lora_add_layouts_equal_per_token(slots):
     for i, (lo, hi) in enumerate([(0, 40), (40, 52), (52, 64)]):
         block[:, 3 * i:3 * i + 3, lo:hi] = b[:, :, lo:hi]
     want = torch.stack([y[i] + (x[i] @ a[s] @ block[s] if s >= 0 else 0) for i, s in enumerate(slots)])
-    if cpp_attention_available():
+    if cpu_ops_available():
         segmented = LoraBatch.build(slots, 4, torch.device("cpu"), padded=False)
         got = y.clone()
         torch.ops.kaiten_cpu.lora_add_(got, x, a, b, [40, 12, 12], segmented.token_index, segmented.bounds)

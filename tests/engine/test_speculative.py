@@ -266,8 +266,8 @@ def test_greedy_matches_hf_with_speculation_under_preemption(tiny_model_dir, pro
 
 
 def test_speculative_config_flag_is_checked_and_handed_to_the_engine(tiny_model_dir, capsys):
-    from engine_worker.worker import build_parser, configs_from_args
-    from engine_worker.worker import main as engine_main
+    from engine_worker.cli import build_parser, configs_from_args
+    from engine_worker.cli import main as engine_main
     from shared.launcher import main as serve_main
     from shared.up_flags import child_args
     with pytest.raises(SystemExit) as exit_info:

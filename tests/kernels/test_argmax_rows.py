@@ -6,17 +6,17 @@ import pytest
 import torch
 
 from engine_worker.engine.sampler import argmax_rows
-from kernels.cpu_attention import cpp_attention_available, load_extension
+from kernels.cpu_ops_build import cpu_ops_available, load_cpu_ops
 from tests.support.isa_builds import assert_passes_in_isa_build
 
-pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
 
 # widths: below one vector, off every block of 4 vectors (8 or 16 lanes), the default model's vocabulary
 WIDTHS = [1, 5, 31, 64, 65, 333, 49152]
 
 
 def op(x: torch.Tensor) -> torch.Tensor:
-    load_extension()
+    load_cpu_ops()
     return torch.ops.kaiten_cpu.argmax_rows(x)
 
 
@@ -53,7 +53,7 @@ def test_non_contiguous_rows_and_bad_input():
 
 
 def test_sampler_helper_takes_the_op_on_cpu_and_torch_elsewhere():
-    load_extension()
+    load_cpu_ops()
     x = torch.randn(32, 1000)
     with torch.profiler.profile() as prof:
         got = argmax_rows(x)

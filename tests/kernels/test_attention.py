@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.interface import AttentionMetadata, get_attention_backend
+from kernels.interface import AttentionMetadata
+from kernels.registry import get_attention_backend
 from kernels.torch_attention import TorchAttention
 
 def seed_of(*parts) -> int:

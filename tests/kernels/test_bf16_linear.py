@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine_worker.model.bf16_layers import Bf16Embedding, Bf16Linear
-from kernels.cpu_attention import cpp_attention_available
+from kernels.cpu_ops_build import cpu_ops_available
 from tests.support.isa_builds import assert_passes_in_isa_build
 
-pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
 
 DIRECT, DENSE = 1 << 30, 1          # min_dense_rows: never dense, always dense
 # (N, K): K not a multiple of any vector length (tails), N not a multiple of the row blocks; the

@@ -11,12 +11,12 @@ import torch
 
 from engine_worker.model.quant_layers import INT8_ROWS, MIN_DENSE_ROWS, QuantEmbedding, QuantLinear
 from engine_worker.model.quant_tiles import TILE_ROWS
-from kernels.cpu_attention import cpp_attention_available, cpu_capability, int8_activations_built, int8_x_levels
+from kernels.cpu_ops_build import cpu_capability, cpu_ops_available, int8_activations_built, int8_x_levels
 from shared.gguf_quant import PackedWeight, concat, repack
 from tests.support.gguf_files import gguf_tensor
 from tests.support.isa_builds import assert_passes_in_isa_build
 
-pytestmark = pytest.mark.skipif(not cpp_attention_available(), reason="the C++ CPU extension does not build here")
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
 
 NEVER = 1 << 30
 # min_dense_rows forcing each exact method (int8_rows is 0 unless given)

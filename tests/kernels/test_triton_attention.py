@@ -272,9 +272,10 @@ def run_case(backend, case: Case, data) -> dict:
 
 def _interp_child(out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from kernels.triton_attention import TritonAttention, _prefill_kernel
+    from kernels.triton_attention import TritonAttention
+    from kernels.triton_paged_kernels import prefill_kernel
     from triton.runtime.interpreter import InterpretedFunction
-    assert isinstance(_prefill_kernel, InterpretedFunction), "kernels are not interpreted"
+    assert isinstance(prefill_kernel, InterpretedFunction), "kernels are not interpreted"
     results = {}
     for case in CASES:
         t0 = time.perf_counter()
@@ -333,7 +334,7 @@ def test_window_cases_poison_blocks(interp_results):
 
 
 def test_backend_registry_and_flash_attn_import_error():
-    from kernels.interface import get_attention_backend
+    from kernels.registry import get_attention_backend
     from kernels.flash_attention import FlashAttention
     from kernels.triton_attention import TritonAttention
     assert isinstance(get_attention_backend("triton"), TritonAttention)
@@ -478,6 +479,7 @@ def test_kernels_build_for_h100_without_spills():
         pytest.skip("TRITON_INTERPRET=1 is set in this process")
     pytest.importorskip("triton")
     import kernels.triton_attention as ta
+    import kernels.triton_paged_kernels as tk
 
     H, Hkv, D, bs = 32, 8, 128, 16
     t = {dt: torch.empty(64, dtype=dt) for dt in (torch.bfloat16, torch.float32, torch.int32, torch.int64)}
@@ -493,19 +495,19 @@ def test_kernels_build_for_h100_without_spills():
     for sliding, window in ((False, 0), (True, 4096)):
         name = "_sliding" if sliding else ""
         built["prefill" + name] = _compile_sm90(
-            ta._prefill_kernel, dict(common, num_seqs=7, window=window),
+            tk.prefill_kernel, dict(common, num_seqs=7, window=window),
             dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_M=bm, BLOCK_Q=bm // (H // Hkv),
                  BLOCK_N=bn, BLOCK_D=D, SKIP_DECODE=True, SLIDING=sliding, DOT_PRECISION=None), warps, stages)
         built["decode" + name] = _compile_sm90(
-            ta._decode_kernel, dict(common, O_part=f32, LSE_part=f32, num_splits=5, window=window),
+            tk.decode_kernel, dict(common, O_part=f32, LSE_part=f32, num_splits=5, window=window),
             dict(GROUP=H // Hkv, PAGE=bs, HEAD_DIM=D, BLOCK_G=16, BLOCK_N=dbn, BLOCK_D=D, SPLIT=True,
                  SLIDING=sliding, DOT_PRECISION=None), dwarps, dstages)
     built["reduce"] = _compile_sm90(
-        ta._decode_reduce_kernel, dict(O=bf, O_part=f32, LSE_part=f32, cu_seqlens_q=i32,
+        tk.decode_reduce_kernel, dict(O=bf, O_part=f32, LSE_part=f32, cu_seqlens_q=i32,
                                        num_splits=5, stride_ot=H * D, stride_oh=D, stride_od=1),
         dict(HEAD_DIM=D, BLOCK_S=8, BLOCK_D=D), 2, 1)
     built["write_kv"] = _compile_sm90(
-        ta._write_kv_kernel, dict(K=bf, V=bf, K_cache=bf, V_cache=bf, slot_mapping=t[torch.int64],
+        tk.write_kv_kernel, dict(K=bf, V=bf, K_cache=bf, V_cache=bf, slot_mapping=t[torch.int64],
                                   num_tokens=77, stride_kt=(H + 2 * Hkv) * D, stride_kh=D,
                                   stride_kd=1, stride_vt=(H + 2 * Hkv) * D, stride_vh=D,
                                   stride_vd=1, stride_kcb=bs * Hkv * D, stride_kco=Hkv * D,

@@ -11,7 +11,7 @@ import time
 
 
 def main() -> int:
-    from engine_worker import worker
+    from engine_worker import cli, worker
     from engine_worker.engine.llm_engine import LLMEngine
     pause, go_file = float(sys.argv[1]), sys.argv[2]
     step, run = LLMEngine.step, worker.EngineWorker.run
@@ -26,7 +26,7 @@ def main() -> int:
         return run(self)
     LLMEngine.step = slow_step
     worker.EngineWorker.run = run_when_told
-    return worker.main(sys.argv[3:])
+    return cli.main(sys.argv[3:])
 
 
 if __name__ == "__main__":

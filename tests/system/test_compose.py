@@ -298,6 +298,9 @@ def test_dockerfile_matches_the_package():
     assert "RUN python install_deps.py slim" in stages["slim"]
     assert "COPY --from=torch /opt/venv /opt/venv" in stages["engine"] and "install_deps.py engine" in stages["engine"]
     assert "COPY docker/wheels/ /wheels/" in stages["torch"] and "/wheels" not in stages["engine"]
+    # The CPU engine image carries the C++ CPU ops built, after the package is installed.
+    engine = stages["engine"]
+    assert "kaiten kernels" in engine and engine.index("kaiten kernels") > engine.index("pip install --no-deps .")
     # EXTRAS (the GPU image's flash-attn) come from pyproject's optional dependencies, installed
     # with the other dependencies: the package itself goes in with --no-deps, which skips extras.
     assert 'project["optional-dependencies"][e]' in install_deps and 'os.environ.get("EXTRAS"' in install_deps

@@ -4,7 +4,7 @@
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/extension.h>
+#include "../aten_ops.h"
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
