@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from engine_worker.consumer_id import default_engine_id
+from engine_worker.startup_report import StartupReport
 from engine_worker.worker import EngineWorker
 from shared.config import EngineConfig, WorkerConfig
 from shared.config_cli import add_config_flags, config_overrides
 from shared.log_format import add_log_flags, setup_logging
+from shared.startup_stages import StartupStages
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,17 +62,26 @@ def main(argv: list[str] | None = None) -> int:
         return healthcheck(configs_from_args(args, resolve_model=False)[1])
     from shared.model_source import MODEL_ERRORS
     try:
-        ecfg, wcfg = configs_from_args(args)
-        ecfg.speculative()                 # a bad --speculative-config fails here, saying why
-        ecfg.lora_module_paths()           # and a bad --lora-modules entry
+        ecfg, wcfg = configs_from_args(args, resolve_model=False)
     except ValueError as e:
         print(f"kaiten engine: {e}", file=sys.stderr)
         return 2
+    stages = StartupStages(wcfg.served_model_name or (Path(ecfg.model).name if ecfg.model else ""))
+    startup = StartupReport(wcfg.redis_url, stages).start()   # from the first second: "starting"
     try:
-        worker = EngineWorker(ecfg, wcfg)
-    except MODEL_ERRORS as e:              # a model this engine cannot run (a rope type, ...)
+        with stages.stage("conversion"):   # a GGUF file or the default model, converted once
+            ecfg, wcfg = configs_from_args(args)
+        stages.set_model(wcfg.served_model_name or Path(ecfg.model).name)
+        ecfg.speculative()                 # a bad --speculative-config fails here, saying why
+        ecfg.lora_module_paths()           # and a bad --lora-modules entry
+        worker = EngineWorker(ecfg, wcfg, startup=startup)
+    except (ValueError, *MODEL_ERRORS) as e:    # a model this engine cannot run (a rope type, ...)
+        startup.finish()
         print(f"kaiten engine: {e}", file=sys.stderr)
         return 2
+    except BaseException:
+        startup.finish()
+        raise
     worker.install_signal_handlers()
     return worker.run()
 

@@ -43,6 +43,7 @@ from engine_worker.metrics import EngineMetrics
 from engine_worker.orphan_watch import OrphanWatch
 from engine_worker.publisher import Outgoing, Publisher
 from engine_worker.engine.sampling_params import SamplingParams
+from engine_worker.startup_report import StartupReport
 from engine_worker.stream_reader import AbortReader, ControlReader, RequestReader
 from engine_worker.worker_stats import Counters, LatencyStats
 from shared import names
@@ -60,12 +61,14 @@ HANDOFF_REASON = {"pending": "restarted"}     # by entry source; a claimed entry
 class EngineWorker:
     """An ``LLMEngine`` fed from Redis. ``run()`` until ``stop()``."""
 
-    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, *, engine=None):
+    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig, *, engine=None,
+                 startup: StartupReport | None = None):
         self.cfg = cfg = worker_config
         self.engine_config = engine_config
+        self.startup = startup                  # deleted once the engine serves
         if engine is None:
             from engine_worker.engine.llm_engine import LLMEngine
-            engine = LLMEngine(engine_config)
+            engine = LLMEngine(engine_config, None if startup is None else startup.stages)
             attach_kv_store(engine)
         self.engine = engine
         self.model = cfg.served_model_name or engine.model_name     # the served name: its streams
@@ -168,6 +171,8 @@ class EngineWorker:
     def run(self) -> int:
         engine = self.engine
         self._connect()
+        if self.startup is not None:             # serving now (or stopping): no longer starting
+            self.startup.finish()
         if self._stop.is_set():
             self._shutdown()
             return 0

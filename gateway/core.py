@@ -36,6 +36,7 @@ log = logging.getLogger("kaiten.gateway")
 # Each step of a shutdown waits at most this long: a close that stalls (a socket's wait_closed
 # behind a reader that holds its transport, redis-py#3941) must not keep the process from exiting.
 CLOSE_TIMEOUT_S = 5.0
+STARTING_RETRY_AFTER_S = 5.0      # Retry-After of a 503 engines_starting: a stage takes seconds
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:
@@ -205,6 +206,7 @@ class Gateway:
         default = self.models.default
         load = default.view.load or load_of(default.view.live, 0)
         return {"model": default.name, "engines": len(default.view.live),
+                "starting": [s.describe() for s in self.monitor.starting_for(default.name)],
                 "num_requests_running": load["num_running"],
                 "num_requests_waiting": load["num_waiting"] + load["backlog"],
                 "kv_cache_usage": round(load["kv_cache_usage"], 4), "gateway_id": self.gateway_id,
@@ -229,6 +231,10 @@ class Gateway:
         model: ServedModel = ctx.served
         view = model.view
         retry = max(1.0, self.config.engine_timeout / 2)
+        if not view.live and (starting := self.monitor.starting_for(model.name)):
+            raise APIError(503, f"the engines of model '{model.name}' are starting ({starting[0].describe()}); "
+                                f"try again in a few seconds", code="engines_starting",
+                           retry_after=STARTING_RETRY_AFTER_S)
         if not view.live:
             raise APIError(503, f"no engine is available to serve model '{model.name}'; try again later",
                            code="no_engine", retry_after=retry)

@@ -14,7 +14,9 @@
    tokenizes and detokenizes in-process: no tokenizer service, no ``TOKENIZER_URL``); the first
    engine serves its /metrics on ``KAITEN_METRICS_PORT``, else on 8002 or, where that is taken, a
    free port, and every other engine on a free port;
-4. waits until the gateway answers ``GET /ready``, then prints the URL and a curl line to try;
+4. logs the start-up's stages with their times as the engines pass them (model conversion, kernel
+   build, weights, KV cache, compilation: ``shared.startup_watch``), waits until the gateway answers
+   ``GET /ready``, then prints the URL and a curl line to try;
 5. stops every child cleanly on Ctrl-C/SIGTERM (gateway first, Redis last); if any child dies,
    stops the rest and exits non-zero.
 
@@ -45,6 +47,7 @@ from shared.log_format import setup_logging
 from shared.model_source import MODEL_ERRORS, resolve_model
 from shared.models_file import ModelEntry, load_models_file
 from shared.redis_conn import redact_url
+from shared.startup_watch import StartupWatch
 from shared.up_flags import EPILOG, add_child_flags, child_args, child_env
 from shared.version import kaiten_version
 
@@ -212,14 +215,17 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def wait_http_ready(url: str, sup: Supervisor, timeout: float) -> bool:
-    """Poll ``url`` until it answers 2xx; False if a child dies, a stop is asked or time runs out."""
+def wait_http_ready(url: str, sup: Supervisor, timeout: float, on_wait=None) -> bool:
+    """Poll ``url`` until it answers 2xx; False if a child dies, a stop is asked or time runs out.
+    `on_wait()` runs between polls."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not sup.stopping.is_set():
         if sup.check() is not None:
             return False
         if http_ok(url):
             return True
+        if on_wait is not None:
+            on_wait()
         sup.stopping.wait(0.25)
     return False
 
@@ -347,11 +353,13 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
         print(f"{prog}: port {args.port} on {args.host} is in use; pick another with --port", file=sys.stderr)
         return 2
 
+    started = time.monotonic()
     try:
         dirs = [str(resolve_model(e.model)) for e in entries]
     except MODEL_ERRORS as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    log.info("start-up: model conversion took %.1f s", time.monotonic() - started)   # 0 once converted
     if sup.stopping.is_set():
         return 130
     for e, d in zip(entries, dirs):
@@ -391,7 +399,11 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
 
     base = f"http://{probe_host}:{args.port}"
     deadline = time.monotonic() + args.ready_timeout
-    if wait_http_ready(f"{base}/ready", sup, max(1.0, deadline - time.monotonic())):
+    watch = StartupWatch(redis_url, sum(e.engines for e in entries))
+    ready = wait_http_ready(f"{base}/ready", sup, max(1.0, deadline - time.monotonic()), watch.poll)
+    watch.close()
+    if ready:
+        log.info("start-up: ready in %.1f s", time.monotonic() - started)
         gen_mode = args.generation_config or os.environ.get("KAITEN_GENERATION_CONFIG", "auto")
         names = [e.served_model_name or Path(d).name for e, d in zip(entries, dirs)]
         if not entries[0].served_model_name:

@@ -62,3 +62,14 @@ def gateway_alive_key(gateway_id: str) -> str:
 
 
 GATEWAY_ALIVE_TTL_S = 1.5        # a gateway refreshes its key every GATEWAY_ALIVE_TTL_S / 3 seconds
+
+
+def starting_key(instance: str) -> str:
+    """Key (with a short TTL, refreshed) holding a starting engine's msgpack
+    ``shared.startup_stages.StartupState`` until it serves; its last state (stage "serving")
+    expires on its own."""
+    return f"{PREFIX}:engine-starting:{instance}"
+
+
+STARTING_PATTERN = f"{PREFIX}:engine-starting:*"
+STARTING_TTL_S = 5.0             # a starting engine refreshes its key every second

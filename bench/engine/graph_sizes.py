@@ -43,7 +43,7 @@ def build(model: str, args, shared_sizes: bool):
     mark_unbacked = decorators.mark_unbacked
     if not shared_sizes:
         decorators.mark_unbacked = lambda t, index, shape_id=None, **kw: mark_unbacked(t, index, **kw)
-    compiled_forward.COMPILED_FORWARD_CACHE.clear()         # a trace of its own
+    compiled_forward.COMPILED_LAYER_CACHE.clear()           # a trace of its own
     try:
         llm = LLM(model, dtype=args.dtype, kv_cache_memory="512MiB", enable_prefix_caching=False)
     finally:

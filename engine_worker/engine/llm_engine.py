@@ -30,6 +30,7 @@ from engine_worker.model.lora_weights import load_lora
 from shared.block_hash import root_hash
 from shared.config import EngineConfig
 from shared.protocol import TokenLogprob
+from shared.startup_stages import StartupStages
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +88,15 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """`stages`: where ModelRunner records the start-up's stages."""
+
+    def __init__(self, config: EngineConfig, stages: StartupStages | None = None):
         from shared.model_source import resolve_model
         config = config.with_overrides(model=str(resolve_model(config.model)))
         config = config.with_overrides(max_num_batched_tokens=config.token_budget())
         self.config = config
         self.model_name = Path(config.model).name
-        self.runner = ModelRunner(config, config.model)
+        self.runner = ModelRunner(config, config.model, stages)
         cfg = self.runner.model_config
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = cfg.eos_token_ids

@@ -1,4 +1,7 @@
-"""The model forward compiled with torch.compile (Inductor's C++/OpenMP codegen) for the CPU.
+"""The model forward with its decoder layers compiled by torch.compile (Inductor's C++/OpenMP
+codegen) for the CPU: regional compilation, one graph per structure of a region of consecutive
+layers (graph_signature), traced and built once and called for every region of that structure, so
+a cold start compiles a region, not the whole model. The embedding, the step's rotary cos/sin and the final norm run eagerly.
 
 Inductor fuses the elementwise work between the projections (RMSNorm, RoPE, SiLU * up, the
 residual adds); the projections and paged attention stay library calls. The KV write and paged
@@ -19,8 +22,8 @@ layer's K and V pool its own, made 67 for SmolLM2 and a one-stream decode step 1
 (bench/engine/graph_sizes.py).
 
 The graph's wrapper, which calls its kernels and ops in order, is C++ (Inductor's cpp_wrapper),
-not Python: a SmolLM2 step makes about 270 such calls, and made from C++ they leave a one-stream
-step 0.88x the time (Zen 4, Q8_0 weights, 7.6 against 8.7 ms), for about 30 s more of a cold start
+not Python: a SmolLM2 step makes about 270 such calls (9 a layer), and made from C++ they left a
+whole-model graph's one-stream step 0.88x the time (Zen 4, Q8_0 weights, 7.6 against 8.7 ms), for about 30 s more of a cold start
 (89 against 57 s from a new GGUF file).
 """
 from __future__ import annotations
@@ -159,41 +162,53 @@ def configure_inductor() -> None:
     torch._functorch.config.enable_autograd_cache = True
 
 
-def _forward(model, kv_caches, backend, ids, pos, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,
-             *lora_args):
+# Consecutive layers compiled as one region. One layer a region compiles fastest, but every
+# compiled call costs Dynamo's and AOTAutograd's wrappers, and a call a layer made a one-stream
+# decode step far costlier than the whole model's graph; 6 is the trade-off measured in
+# bench/results/step_cpu_ab/README.md.
+REGION_LAYERS = 6
+
+
+def _layers(layers, x, ropes, kv_caches, backend, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,
+            *lora_args):
+    """Consecutive decoder layers (a ModuleList); `ropes`: the step's (cos, sin) of each rotary
+    table, computed once a step."""
     meta = AttentionMetadata(cu_seqlens_q, seqlens_k, block_tables, slot_mapping, 0, 0)
     lora = LoraBatch(*lora_args) if lora_args else None
-    return model(ids, pos, kv_caches, meta, backend, lora)
+    for layer, kv_cache in zip(layers, kv_caches):
+        x = layer(x, ropes, kv_cache, meta, backend, lora)
+    return x
 
 
-COMPILED_FORWARD_CACHE: dict[tuple, Callable] = {}     # compiled copies of _forward by graph_signature
+COMPILED_LAYER_CACHE: dict[tuple, Callable] = {}     # compiled copies of _layers by graph_signature
 
 
-def compiled_forward_for(signature: tuple) -> Callable:
-    """_forward compiled for one graph_signature: a copy with its own code object, so Dynamo's
+def compiled_layer_for(signature: tuple) -> Callable:
+    """_layers compiled for one graph_signature: a copy with its own code object, so Dynamo's
     cache for it holds that structure's graph alone and needs none of its guards (about 3,700
     checks of the weights, modules and inputs a SmolLM2 step, 0.8 ms of a 6 ms one-stream step).
-    Models of the same signature share the copy: their weights are graph inputs."""
-    fn = COMPILED_FORWARD_CACHE.get(signature)
+    Layers of the same signature, in one model or in several, share the copy: their weights are
+    graph inputs."""
+    fn = COMPILED_LAYER_CACHE.get(signature)
     if fn is None:
-        code = _forward.__code__.replace(co_name=f"_forward_{len(COMPILED_FORWARD_CACHE)}")
-        copy = types.FunctionType(code, _forward.__globals__, code.co_name)
+        code = _layers.__code__.replace(co_name=f"_layers_{len(COMPILED_LAYER_CACHE)}")
+        copy = types.FunctionType(code, _layers.__globals__, code.co_name)
         fn = torch.compile(copy, dynamic=False, fullgraph=True,
                            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True})
-        COMPILED_FORWARD_CACHE[signature] = fn
+        COMPILED_LAYER_CACHE[signature] = fn
     return fn
 
 
-def graph_signature(model: torch.nn.Module, kv_caches, ops, lora: bool) -> tuple:
+def graph_signature(modules: tuple[torch.nn.Module, ...], kv_caches, ops, lora: bool) -> tuple:
     """What the traced graph depends on, as the skipped guards would have checked it: every
     module's class and plain attributes (sizes, formats, configs), every parameter's and buffer's
     shape, stride and dtype, the KV caches' but for their dynamic first dimension, the attention
     ops, and whether the step carries adapter tokens. Values the forward reads must not change
     after the first call (the adapters' slots are written in place; the model's weights may)."""
-    modules = tuple((name, type(m).__qualname__, _attributes(m), _tensors(m._parameters), _tensors(m._buffers))
-                    for name, m in model.named_modules(remove_duplicate=False))
+    described = tuple((i, name, type(m).__qualname__, _attributes(m), _tensors(m._parameters), _tensors(m._buffers))
+                      for i, module in enumerate(modules) for name, m in module.named_modules(remove_duplicate=False))
     caches = tuple((k.shape[1:], k.stride()[1:], k.dtype, v.shape[1:], v.stride()[1:], v.dtype) for k, v in kv_caches)
-    return modules, caches, (type(ops).__qualname__, _attributes(ops)), lora
+    return described, caches, (type(ops).__qualname__, _attributes(ops)), lora
 
 
 def _attributes(obj) -> tuple:
@@ -219,12 +234,17 @@ def _describe(value):
 
 
 class CompiledForward:
-    """model(input_ids, positions, kv_caches, meta, backend) through torch.compile; call
-    warm_up() once at start-up.
+    """model(input_ids, positions, kv_caches, meta, backend) with its decoder layers through
+    torch.compile (regional compilation); call warm_up() once at start-up.
 
-    The model, its KV cache and the backend are arguments of the compiled function, not
-    constants: the weights are graph inputs, so another engine with the same model config in
-    this process reuses the graph instead of compiling its own.
+    The layers run in regions of REGION_LAYERS consecutive layers; a region's compiled function
+    is traced and built once for every region of one structure (graph_signature), not once for
+    the whole model: the compile time does not grow with the layers beyond a region's. The
+    embedding, the rotary cos/sin and the final norm run eagerly.
+
+    A region's layers, their KV caches and the backend are arguments of the compiled function,
+    not constants: the weights are graph inputs, so the other regions, and another engine with
+    the same model config in this process, reuse the graph instead of compiling their own.
 
     A step with adapter tokens passes its LoraBatch: a second graph, with the LoRA op, that
     warm_up(lora=True) compiles (the engine does when it gets its first adapter), so steps of
@@ -241,23 +261,34 @@ class CompiledForward:
         for k_cache, v_cache in kv_caches:
             torch._dynamo.decorators.mark_unbacked(k_cache, 0, shape_id="kv_blocks")
             torch._dynamo.decorators.mark_unbacked(v_cache, 0, shape_id="kv_blocks")
-        self._fns: dict[bool, Callable] = {}        # by "the step has adapter tokens"
+        n = len(model.layers)
+        self.regions = [(torch.nn.ModuleList(model.layers[i:i + REGION_LAYERS]), kv_caches[i:i + REGION_LAYERS])
+                        for i in range(0, n, REGION_LAYERS)]
+        self._fns: dict[bool, tuple[Callable, ...]] = {}    # each region's, by "the step has adapter tokens"
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                  lora: LoraBatch | None = None) -> torch.Tensor:
-        fn = self._fns.get(lora is not None)
-        if fn is None:
-            fn = self._fns[lora is not None] = self._first_call(ids, pos, meta, lora)
+        model = self.model
+        x = model.embed(ids)
+        ropes = [rope(pos, x.dtype) for rope in model.ropes]
+        fns = self._fns.get(lora is not None)
+        tracing = fns is None
+        if tracing:
+            fns = self._fns[lora is not None] = self._first_call(ropes, meta, lora)
         extra = () if lora is None else lora.args()
+        args = (self.ops, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, meta.slot_mapping, *extra)
         with step_context(self.backend, meta):
-            return fn(self.model, self.kv_caches, self.ops, ids, pos, meta.cu_seqlens_q, meta.seqlens_k,
-                      meta.block_tables, meta.slot_mapping, *extra)
+            for (layers, kv_caches), fn in zip(self.regions, fns):
+                if tracing:         # any region may be the first of its structure, traced now
+                    torch._dynamo.decorators.mark_unbacked(x, 0, shape_id="tokens")
+                x = fn(layers, x, ropes, kv_caches, *args)
+        return model.norm(x)
 
-    def _first_call(self, ids, pos, meta: AttentionMetadata, lora: LoraBatch | None) -> Callable:
-        """The compiled function for steps of this kind. Its graph, if this call traces it, takes
-        the token count and the batch's shape as dynamic sizes, each tensor of the same length
-        sharing one size (shape_id); later calls check nothing."""
-        for t in (ids, pos, meta.slot_mapping):
+    def _first_call(self, ropes, meta: AttentionMetadata, lora: LoraBatch | None) -> tuple[Callable, ...]:
+        """Each region's compiled function for steps of this kind. A graph, if this call traces
+        it, takes the token count and the batch's shape as dynamic sizes, each tensor of the same
+        length sharing one size (shape_id); later calls check nothing."""
+        for t in (meta.slot_mapping, *(t for cos_sin in ropes for t in cos_sin)):
             torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="tokens")
         for t in (meta.seqlens_k, meta.block_tables):
             torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="seqs")
@@ -266,16 +297,20 @@ class CompiledForward:
         if lora is not None:
             for t in (lora.token_index, lora.pad_index, lora.pad_rows):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
-        return compiled_forward_for(graph_signature(self.model, self.kv_caches, self.ops, lora is not None))
+        model = self.model
+        return tuple(compiled_layer_for(graph_signature((layers, model.ropes), kv_caches, self.ops, lora is not None))
+                     for layers, kv_caches in self.regions)
 
     @torch.inference_mode()
     def warm_up(self, lora: bool = False) -> float:
-        """Compile (or load from Inductor's cache) before the first request: one graph serves
-        every batch shape (`lora`: the graph for steps with adapter tokens). The warm-up batch
-        writes no KV (slot -1). Its inputs are inference tensors, as the runner's are (a tensor of
-        another kind would fail a guard and recompile). Returns the seconds taken."""
+        """Compile (or load from Inductor's cache) before the first request: one graph for the
+        layers of each structure serves every batch shape (`lora`: the graphs for steps with
+        adapter tokens). The warm-up batch writes no KV (slot -1). Its inputs are inference
+        tensors, as the runner's are (a tensor of another kind would fail a guard and recompile).
+        Returns the seconds taken."""
         start = time.perf_counter()
-        log.info("compiling the model for %s%s ...", self.model.__class__.__name__, " with LoRA" if lora else "")
+        log.info("compiling the model's layers for %s%s ...", self.model.__class__.__name__,
+                 " with LoRA" if lora else "")
         dev = self.kv_caches[0][0].device
         lens = [3, 1]
         meta = AttentionMetadata(
@@ -290,5 +325,8 @@ class CompiledForward:
             if lora else None
         self(ids, pos, meta, batch)
         seconds = time.perf_counter() - start
-        log.info("compiled the model in %.1f s (Inductor cache: %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        graphs = len(set(self._fns[lora]))
+        log.info("compiled the model in %.1f s: %d graph%s for %d regions of up to %d layers (Inductor cache: %s)",
+                 seconds, graphs, "" if graphs == 1 else "s", len(self.regions), REGION_LAYERS,
+                 os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds

@@ -24,6 +24,7 @@ from shared import gguf_quant
 from shared.config import EngineConfig, parse_memory
 from shared.gguf_quant import QUANTIZED_FILE
 from shared.gguf_quant import PackedWeight
+from shared.startup_stages import StartupStages, stage
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +62,17 @@ def kv_budget_from_profile(total: int, free: int, reserved: int, peak: int, util
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str):
+    """`stages`: where the start-up's stages are recorded (kernels, weights, KV cache, compilation)."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, stages: StartupStages | None = None):
         self.config = config
         self.device = torch.device(config.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, gemm_shapes(self.model_config))
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        with stage(stages, "kernels"):          # "auto" on the CPU builds the C++ kernels on first use
+            self.backend = get_attention_backend(config.attention_backend, self.device)
         self.block_size = getattr(self.backend, "REQUIRED_BLOCK_SIZE", None) or config.block_size
         if self.block_size != config.block_size:
             log.warning("attention backend %s needs block_size %d (configured %d); using %d",
@@ -77,9 +81,36 @@ class ModelRunner:
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"{self.model_config.max_position_embeddings} positions")
+        with stage(stages, "weights"):
+            self._load_model(model_dir)
+        with stage(stages, "kv_cache"):
+            self.max_loras, self.max_lora_rank = config.max_loras, config.max_lora_rank
+            # the keys every layer still reads behind a query: a sequence's KV blocks beyond it are released
+            window = self.model_config.window_of_every_layer
+            self.kv_window = window if window < self.max_model_len else 0
+            self.kv_dtype = self._kv_cache_dtype(self._quantized)
+            self.num_blocks = self._num_blocks(self._kv_budget())
+            self.kv_caches = self._allocate_kv_cache()
+        self.graphs: DecodeGraphRunner | None = None
+        self._lora_compiled = False
+        self.compiled: CompiledForward | None = None
+        if self.device.type == "cpu" and not config.enforce_eager:
+            with stage(stages, "compilation"):
+                self.compiled = self._compile()
+        want_graphs = self.device.type == "cuda" and not config.enforce_eager
+        if want_graphs and not self.backend.cuda_graph_safe:
+            log.warning("attention backend %s cannot run in CUDA graphs; decode runs eagerly", self.backend.name)
+        elif want_graphs:
+            with stage(stages, "compilation"):
+                self._capture_graphs()
+
+    def _load_model(self, model_dir: str) -> None:
+        """The model in its weight formats (quantized as stored, bf16-stored, packed), its weights loaded."""
+        config = self.config
         cls = model_class(self.model_config.architecture)
         self.model = cls(self.model_config, self.max_model_len).to(device=self.device, dtype=self.dtype)
         packed = self._quantized_weights(model_dir)
+        self._quantized = bool(packed)          # the KV cache's "auto" dtype depends on it
         if packed:
             self.model.use_quantized(packed, self.dtype)
         if self._keep_bf16(model_dir):
@@ -91,28 +122,15 @@ class ModelRunner:
             self.model.pack_for_cpu()
         if self.device.type == "cpu":
             onto_huge_pages(self.model)
-        self.max_loras, self.max_lora_rank = config.max_loras, config.max_lora_rank
-        # the keys every layer still reads behind a query: a sequence's KV blocks beyond it are released
-        window = self.model_config.window_of_every_layer
-        self.kv_window = window if window < self.max_model_len else 0
-        self.kv_dtype = self._kv_cache_dtype(bool(packed))
-        self.num_blocks = self._num_blocks(self._kv_budget())
-        self.kv_caches = self._allocate_kv_cache()
-        self.graphs: DecodeGraphRunner | None = None
-        self._lora_compiled = False
-        self.compiled: CompiledForward | None = None
-        if self.device.type == "cpu" and not config.enforce_eager:
-            self.compiled = self._compile()
-        want_graphs = self.device.type == "cuda" and not config.enforce_eager
-        if want_graphs and not self.backend.cuda_graph_safe:
-            log.warning("attention backend %s cannot run in CUDA graphs; decode runs eagerly", self.backend.name)
-        elif want_graphs:
-            self.graphs = DecodeGraphRunner(
-                self.model, self.kv_caches, self.backend,
-                max_batch=max(1, min(config.max_num_seqs, config.max_cuda_graph_batch)),
-                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-                max_seqlen_k=self.max_model_len, device=self.device)
-            self.graphs.capture()
+
+    def _capture_graphs(self) -> None:
+        config = self.config
+        self.graphs = DecodeGraphRunner(
+            self.model, self.kv_caches, self.backend,
+            max_batch=max(1, min(config.max_num_seqs, config.max_cuda_graph_batch)),
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            max_seqlen_k=self.max_model_len, device=self.device)
+        self.graphs.capture()
 
     def _quantized_weights(self, model_dir: str) -> dict[str, PackedWeight]:
         """The GGUF's quantized matrices as stored, where the model has them, --quantization is

@@ -17,7 +17,7 @@ from . import response_models as r
 REF = "#/components/schemas/{model}"
 ERRORS = {"400": "Invalid request (the error names the field in `param`)", "401": "Missing or wrong API key",
           "404": "Unknown model", "413": "Request body too large",
-          "429": "Too many queued requests (Retry-After)", "503": "No engine or tokenizer available (Retry-After)"}
+          "429": "Too many queued requests (Retry-After)", "503": "No engine or tokenizer available, or the engines are starting (Retry-After)"}
 GENERATION_ERRORS = {**ERRORS, "500": "The generation failed", "504": "The generation timed out"}
 LORA_ERRORS = {**ERRORS, "400": "Invalid request, an adapter already loaded, or one the engines refuse (the reason)",
                "404": "Unknown model or adapter", "500": "An engine failed to apply it",

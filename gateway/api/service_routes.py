@@ -44,7 +44,9 @@ async def ready(request: Request) -> Response:
     # which its requests move elsewhere, so a killed engine leaves /ready within about 2 s.
     engines = len(gw.monitor.live_engines(timeout=gw.config.failover_timeout))
     if engines == 0:
-        problems.append("no live engine")
+        starting = [s.describe() for s in gw.monitor.starting if s.starting]
+        problems.append(f"no live engine; {len(starting)} starting ({'; '.join(starting)})" if starting
+                        else "no live engine")
     body = {"status": "ready" if not problems else "not ready", "engines": engines, "problems": problems}
     return JSONResponse(body, status_code=200 if not problems else 503)
 

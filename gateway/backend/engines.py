@@ -23,6 +23,7 @@ import redis
 
 from shared import names
 from shared.block_index import unpack_blocks
+from shared.startup_stages import StartupState
 
 log = logging.getLogger("kaiten.gateway")
 
@@ -104,6 +105,7 @@ class EngineMonitor:
         self.engines: dict[str, EngineInfo] = {}
         self.backlog = Backlog()                 # of every model's stream together
         self.views: dict[str, ModelView] = {}    # model (as announced) -> its engines, at the last poll
+        self.starting: list[StartupState] = []   # engines not serving yet (names.starting_key), at the last poll
         self.watched: set[str] = set()           # models whose stream backlog is read with no engine up
         self.last_poll_ok: float = 0.0           # monotonic time of the last successful poll
         self.redis_ok = False
@@ -140,6 +142,10 @@ class EngineMonitor:
     def view(self, model: str) -> ModelView:
         return self.views.get(model, EMPTY_VIEW)
 
+    def starting_for(self, model: str) -> list[StartupState]:
+        """The starting engines of `model`, or of a model not known yet (one converting)."""
+        return [s for s in self.starting if s.starting and s.model in (model, "")]
+
     def load(self) -> dict[str, float]:
         """Every engine's load together (all models)."""
         return load_of(self.live_engines(), self.backlog.lag)
@@ -175,6 +181,7 @@ class EngineMonitor:
         for eid in [eid for eid, e in self.engines.items() if now - e.last_alive > max(60.0, 6 * self.engine_timeout)]:
             del self.engines[eid]
         await self._poll_blocks(now)
+        await self._poll_starting()
         views = self._group(now)
         await self._poll_backlog(views, now)
         self.views = views
@@ -198,6 +205,16 @@ class EngineMonitor:
                 continue
             info.blocks, info.blocks_seen = hashes, now
             info.blocks_version = (info.heartbeat.get("instance"), version)
+
+    async def _poll_starting(self) -> None:
+        keys = [k async for k in self.r.scan_iter(match=names.STARTING_PATTERN, count=1000)]
+        starting = []
+        for raw in (await self.r.mget(keys) if keys else []):
+            try:
+                starting.append(StartupState.from_dict(msgpack.unpackb(raw, raw=False)))
+            except Exception:           # expired meanwhile, or not a state
+                continue
+        self.starting = starting
 
     def _group(self, now: float) -> dict[str, ModelView]:
         views: dict[str, ModelView] = {}

@@ -268,7 +268,9 @@
     if (m.state !== "error" || !m.error) { box.hidden = true; return; }
     var e = m.error;
     var text;
-    if (e.status === 429 || (e.status === 503 && e.code !== "engine_lost" && e.retry_after != null)) {
+    if (e.code === "engines_starting") {
+      text = "The engines are starting" + (e.retry_after != null ? "; try again in " + Math.ceil(e.retry_after) + " s." : ".");
+    } else if (e.status === 429 || (e.status === 503 && e.code !== "engine_lost" && e.retry_after != null)) {
       text = "The server is busy (" + e.status + ")" + (e.retry_after != null ? "; try again in " + Math.ceil(e.retry_after) + " s." : ".");
     } else if (e.code === "engine_lost") {
       text = "The engine serving this reply was lost (503). The reply ends here.";

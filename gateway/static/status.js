@@ -1,4 +1,5 @@
-/* Kaiten chat page: the status line (model, engines, running, waiting, KV use) from GET /v1/status.
+/* Kaiten chat page: the status line (model, engines, running, waiting, KV use, or the stage of
+ * engines still starting) from GET /v1/status.
  *
  * One poll chain: a poll started while another is in flight takes over the schedule, and an answer
  * older than the one shown is dropped, so a slow stale answer never overwrites a fresh one ("running
@@ -55,7 +56,8 @@
     el.setAttribute("data-running", String(s.num_requests_running | 0));
     el.setAttribute("data-waiting", String(s.num_requests_waiting | 0));
     var parts = [s.model || "model ?"];
-    if (!s.engines) parts.push("no engine");
+    if (!s.engines && s.starting && s.starting.length) parts.push("starting: " + s.starting[0]);
+    else if (!s.engines) parts.push("no engine");
     else {
       if (s.engines > 1) parts.push(s.engines + " engines");
       parts.push("running " + (s.num_requests_running | 0));

@@ -99,15 +99,18 @@ def test_compiled_cpu_graph_calls_the_extension_ops(tiny_model_dir, prompts, exp
     assert not {op for op in ops if op.startswith("kaiten::")}
 
 
-def test_models_of_one_structure_share_one_compiled_forward(tiny_model_dir, prompts, expected):
-    """Engines whose models have one structure share a compiled forward (the weights are its
-    inputs, and it checks no guards); a model with different weights, or another structure (a
+def test_models_of_one_structure_share_one_compiled_forward(tiny_model_dir, prompts, expected, monkeypatch):
+    """The layers of a model, and the engines whose models have one structure, share a compiled
+    layer (the weights are its inputs, and it checks no guards); a model with different weights, or another structure (a
     smaller KV block, the torch attention backend), gets the right tokens, the latter from a
     compiled forward of its own."""
+    from engine_worker.model import compiled_forward
+    monkeypatch.setattr(compiled_forward, "REGION_LAYERS", 1)      # a region a layer: the layers share one
     first, second = make_llm(tiny_model_dir), make_llm(tiny_model_dir)
     block, ops = make_llm(tiny_model_dir, block_size=8), make_llm(tiny_model_dir, attention_backend="torch")
     fns = [llm.engine.runner.compiled._fns[False] for llm in (first, second, block, ops)]
-    assert fns[0] is fns[1] and len({id(f) for f in fns[1:]}) == 3
+    assert all(len(set(f)) == 1 for f in fns), "every layer of one structure shares one compiled function"
+    assert fns[0] == fns[1] and len({f[0] for f in fns[1:]}) == 3
     for llm in (first, block, ops):
         assert [c.token_ids for c in llm.generate(prompts[:4], greedy())] == expected[:4]
     with torch.no_grad():
@@ -132,7 +135,7 @@ def test_compiled_graph_takes_one_size_per_length(tiny_model_dir, prompts, expec
         inputs.append(example_inputs)
         return compile_fx(gm, example_inputs, *args, **kwargs)
     monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
-    monkeypatch.setattr(compiled_forward, "COMPILED_FORWARD_CACHE", {})   # a fresh trace
+    monkeypatch.setattr(compiled_forward, "COMPILED_LAYER_CACHE", {})   # a fresh trace
     llm = make_llm(tiny_model_dir)
     assert len(llm.engine.runner.kv_caches) == 2 and inputs     # (cpp_wrapper compiles re-enter compile_fx)
     sizes = [x for x in inputs[0] if isinstance(x, (int, torch.SymInt))]

@@ -143,3 +143,28 @@ def test_blocks_held_are_bounded_by_the_window(tmp_path):
     assert got == want[0, len(prompt):].tolist()
     assert most <= bm.most_blocks_held(len(prompt) + 64, 64) == 9
     assert_all_blocks_released(llm)
+
+
+def test_compiled_layers_take_one_graph_per_layer_structure(tmp_path, monkeypatch):
+    """Regional compilation: a region's graph is traced once per region structure and called for
+    every region of it. With a layer a region, Gemma 3's sliding and full layers are two structures, the second traced
+    on the first's output; the compiled forward's hidden states of a step with a prefill and a
+    decode equal the eager model's."""
+    from engine_worker.model import compiled_forward
+    from kernels.interface import AttentionMetadata
+
+    monkeypatch.setattr(compiled_forward, "REGION_LAYERS", 1)      # a region a layer
+    llm = make_llm(build_tiny_family(tmp_path, "gemma3"))
+    runner = llm.engine.runner
+    fns = runner.compiled._fns[False]
+    assert len(fns) == 2 and fns[0] is not fns[1]
+    lens = [5, 1]
+    meta = AttentionMetadata(torch.tensor([0, 5, 6], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                             torch.zeros((2, 1), dtype=torch.int32), torch.full((6,), -1, dtype=torch.int64),
+                             5, 5, lens, lens)
+    ids = torch.tensor([3, 17, 29, 41, 53, 7])
+    pos = torch.tensor([0, 1, 2, 3, 4, 0])
+    with torch.inference_mode():
+        got = runner.compiled(ids, pos, meta)
+        want = runner.model(ids, pos, runner.kv_caches, meta, runner.backend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

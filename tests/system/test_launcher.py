@@ -164,6 +164,9 @@ def test_serve_serves_and_stops_on_sigint(tiny_model_dir):
         text = _wait_banner(proc)
         assert "Kaiten is up" in text, text
         assert "loading weights from" in text and "done, " in text, text       # start-up progress lines
+        for stage in ("model conversion took", "engine: kernel build took", "engine: weights took",
+                      "engine: KV cache took", "start-up: ready in"):                     # the stages, timed
+            assert stage in text, text
         # The banner's curl line works (as a plain HTTP request).
         body = json.dumps({"model": tiny_model_dir.name, "messages": [{"role": "user", "content": "Hi"}],
                            "max_tokens": 4}).encode()

@@ -51,3 +51,35 @@ def test_ready_goes_503_within_3s_of_a_sigkilled_engine(redis_url, tiny_model_di
             engine.kill()
             engine.wait(10)
         log.close()
+
+
+def test_a_starting_engine_gets_503_engines_starting_with_retry_after(redis_url, tiny_model_dir):
+    """While a model's engine starts (its stages in Redis, no heartbeat yet) a request gets 503
+    engines_starting, OpenAI's error shape, with Retry-After and the stage; /ready and /v1/status
+    name the stage. Once the engine's last state is "serving" and no heartbeat came, it is no_engine."""
+    from engine_worker.startup_report import StartupReport
+    from shared.startup_stages import StartupStages
+
+    stages = StartupStages(tiny_model_dir.name)
+    report = StartupReport(redis_url, stages, interval=0.1).start()
+    gw = start_gateway(redis_url, tiny_model_dir)
+    body = {"model": tiny_model_dir.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+    def post() -> httpx.Response:
+        return httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=10, trust_env=False)
+    try:
+        with stages.stage("compilation"):
+            wait_until(lambda: "compilation" in post().json()["error"]["message"], 20, 0.1, "engines_starting")
+            r = post()
+            error = r.json()["error"]
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+            assert "starting (compilation, " in error["message"] and error["type"], error
+            ready = httpx.get(gw.url + "/ready", timeout=5, trust_env=False)
+            assert ready.status_code == 503 and "1 starting (compilation" in ready.json()["problems"][0], ready.text
+            status = httpx.get(gw.url + "/v1/status", timeout=5, trust_env=False).json()
+            assert status["engines"] == 0 and status["starting"][0].startswith("compilation, "), status
+        report.finish()
+        wait_until(lambda: post().json()["error"]["code"] == "no_engine", 20, 0.1, "no_engine once it serves")
+    finally:
+        report.finish()
+        gw.stop()
