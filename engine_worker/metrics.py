@@ -34,6 +34,21 @@ COUNTERS = (
     ("spec_decode_num_drafts", "kaiten:spec_decode_num_drafts", "Speculative verifications (a sequence's drafts)."),
     ("spec_decode_num_draft_tokens", "kaiten:spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
     ("spec_decode_num_accepted_tokens", "kaiten:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    ("kv_store_hit_chunks", "kaiten:kv_store_hit_chunks", "KV chunks loaded from the shared store."),
+    ("kv_store_miss_chunks", "kaiten:kv_store_misses", "KV store fetches that ended before their last chunk."),
+    ("kv_store_invalid_chunks", "kaiten:kv_store_invalid_chunks",
+     "KV store values refused: corrupt, partial, or another model's or dtype's (each a miss)."),
+    ("kv_store_loaded_tokens", "kaiten:kv_store_loaded_tokens", "Prompt tokens whose KV came from the shared store."),
+    ("kv_store_bytes_loaded", "kaiten:kv_store_loaded_bytes", "Bytes of KV read from the shared store."),
+    ("kv_store_load_seconds", "kaiten:kv_store_load_seconds", "Time spent reading KV from the shared store."),
+    ("kv_store_saved_chunks", "kaiten:kv_store_saved_chunks", "KV chunks written to the shared store."),
+    ("kv_store_bytes_stored", "kaiten:kv_store_stored_bytes", "Bytes of KV written to the shared store."),
+    ("kv_store_store_seconds", "kaiten:kv_store_store_seconds", "Time spent writing KV to the shared store."),
+    ("kv_store_dropped_writes", "kaiten:kv_store_dropped_writes",
+     "KV chunk writes dropped: the write queue was full or the store down."),
+    ("kv_store_errors", "kaiten:kv_store_errors", "Shared KV store errors (each a miss or a lost write)."),
+    ("kv_store_loads_skipped", "kaiten:kv_store_loads_skipped",
+     "Loads not asked for: a load measured slower here than computing the prompt."),
 )
 
 

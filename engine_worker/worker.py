@@ -38,6 +38,7 @@ from engine_worker.inbox import Arrivals, Inbox, StreamEntry
 from engine_worker.intake import RejectedEntry, dead_letter_fields, decode_entry, salvage_ids
 from engine_worker.io_round import IoRound, RoundResult
 from engine_worker.janitor import Janitor
+from engine_worker.kv_store.redis_store import attach_kv_store
 from engine_worker.metrics import EngineMetrics
 from engine_worker.orphan_watch import OrphanWatch
 from engine_worker.publisher import Outgoing, Publisher
@@ -68,6 +69,7 @@ class EngineWorker:
         if engine is None:
             from engine_worker.engine.llm_engine import LLMEngine
             engine = LLMEngine(engine_config, None if startup is None else startup.stages)
+            attach_kv_store(engine)
         self.engine = engine
         self.model = cfg.served_model_name or engine.model_name     # the served name: its streams
         self.explicit_id = bool(cfg.engine_id)
@@ -115,6 +117,7 @@ class EngineWorker:
                 "vocab_size": int(getattr(e, "vocab_size", 0)),
                 "dtype": self.engine_config.dtype, "device": self.engine_config.device,
                 "block_size": int(e.block_size),
+                "kv_store": getattr(e, "kv", None) is not None,     # shares KV chunks through a store
                 "heartbeat_interval": self.cfg.heartbeat_interval}
 
     # ------------------------------------------------------------------ control
@@ -382,6 +385,8 @@ class EngineWorker:
         self.heartbeat.stop(delete=self.started.is_set())
         self.round.close()
         self.metrics.close()
+        if getattr(self.engine, "kv", None) is not None:
+            self.engine.kv.connector.close()
         log.info("engine %r stopped; %s", self.engine_id, self.overhead_report())
         self.exited.set()
 

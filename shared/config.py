@@ -164,6 +164,10 @@ class EngineConfig(_EnvConfig):
     max_loras: int = 4                   # adapter slots: distinct adapters in one batch; 0: no LoRA
     max_cpu_loras: int | None = None     # adapters kept loaded in memory (LRU); None: max_loras
     max_lora_rank: int = 16              # the largest adapter rank the slots hold
+    kv_store_url: str = ""               # a Redis shared by the engines for KV chunks (docs/kv_store.md), any
+                                         # --redis-url form; "": none. Its own Redis, not the queue's
+    kv_store_chunk_tokens: int = 0       # tokens in a stored chunk (whole blocks); 0: the fewest blocks
+                                         # holding 256 KiB of KV (measured: bench/results/kv_store)
     ENV_NAMES = {"model": "KAITEN_MODEL"}
 
     def lora_module_paths(self) -> dict[str, str]:

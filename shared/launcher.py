@@ -7,7 +7,8 @@
 1. resolves the model (``shared.model_source``: a directory, a GGUF file converted once, a repo id
    in the local Hugging Face cache, or the default SmolLM2 converted once);
 2. starts a local ``redis-server`` on a free port (no persistence) unless ``REDIS_URL``/``--redis-url``
-   is given;
+   is given; with more than one engine and no ``--kv-store-url``, a second one (``maxmemory``
+   KAITEN_KV_STORE_MAXMEMORY, default 2gb, ``allkeys-lru``) as the engines' shared KV store;
 3. runs the engines of each model (one by default, ``--engines-per-model`` or the models file's
    ``engines``) and one ``kaiten gateway`` serving every model as child processes (the gateway
    tokenizes and detokenizes in-process: no tokenizer service, no ``TOKENIZER_URL``); the first
@@ -157,19 +158,37 @@ class Supervisor:
                 c.proc.wait(5)
 
 
-def start_local_redis(port: int | None = None, workdir: str | None = None) -> tuple[Child, str]:
-    """A redis-server child on 127.0.0.1 (no persistence). Returns it and its URL once it answers."""
+def start_local_redis(port: int | None = None, workdir: str | None = None, name: str = "redis",
+                      extra: tuple[str, ...] = ()) -> tuple[Child, str]:
+    """A redis-server child on 127.0.0.1 (no persistence), `extra` its further arguments. Returns it
+    and its URL once it answers."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed: install it (apt-get install redis-server, "
                            "or bash scripts/setup.sh) or point REDIS_URL at a Redis")
     port = port or free_port()
     workdir = workdir or tempfile.mkdtemp(prefix="kaiten-redis-")
-    child = Child("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                            "--dir", workdir, "--loglevel", "warning"]).start()
+    child = Child(name, [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                         "--dir", workdir, "--loglevel", "warning", *extra]).start()
     url = f"redis://127.0.0.1:{port}/0"
     wait_redis(url, child)
     return child, url
+
+
+KV_STORE_MAXMEMORY = "2gb"      # the KV store `serve` starts: its default bound
+
+
+def start_kv_store(args: argparse.Namespace, entries: list[ModelEntry], sup: Supervisor) -> None:
+    """More than one engine and no --kv-store-url (KAITEN_KV_STORE_URL): start a Redis of its own
+    for the engines' shared KV chunks, bounded by KAITEN_KV_STORE_MAXMEMORY, least recently used
+    evicted; the engines get its URL."""
+    if args.kv_store_url or os.environ.get("KAITEN_KV_STORE_URL") or sum(e.engines for e in entries) < 2:
+        return
+    memory = os.environ.get("KAITEN_KV_STORE_MAXMEMORY", KV_STORE_MAXMEMORY)
+    child, args.kv_store_url = start_local_redis(name="kv-store", extra=("--maxmemory", memory,
+                                                                          "--maxmemory-policy", "allkeys-lru"))
+    sup.children.append(child)
+    log.info("KV store at %s (maxmemory %s, allkeys-lru)", args.kv_store_url, memory)
 
 
 def wait_redis(url: str, child: Child | None = None, timeout: float = 20.0) -> None:
@@ -355,6 +374,7 @@ def main(argv: list[str] | None = None, prog: str = "kaiten serve") -> int:
             redis_child, redis_url = start_local_redis()
             sup.children.append(redis_child)
         log.info("redis at %s", redact_url(redis_url))
+        start_kv_store(args, entries, sup)
         metrics_port = engine_metrics_port(args.port)
         for i, (entry, model) in enumerate(zip(entries, dirs)):
             for k in range(entry.engines):

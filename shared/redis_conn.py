@@ -26,6 +26,10 @@ sentinels (port 26379 when left out) and the master's service name. Every client
 asks the sentinels for the current primary when it connects, so after a promotion a broken
 connection is replaced by one to the new primary. The password is the primary's (the sentinels are
 asked without one). ``redact_url`` shows any URL without its password, for logs and errors.
+
+Cluster: ``redis+cluster://[[user]:password@]host:port[,host:port...]`` names nodes of a Redis
+Cluster (port 6379 when left out); the client learns the others and routes each key to its slot's
+node (synchronous clients only: the shared KV store uses it, engine_worker/kv_store/).
 """
 from __future__ import annotations
 
@@ -64,14 +68,53 @@ class SentinelURL:
     password: str | None = None
 
 
+CLUSTER_SCHEME = "redis+cluster://"
+DEFAULT_CLUSTER_PORT = 6379
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterURL:
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = None
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.lower().startswith(CLUSTER_SCHEME)
+
+
+def parse_cluster_url(url: str) -> ClusterURL:
+    """``redis+cluster://:pw@h1:7000,h2:7001`` -> its nodes and password."""
+    if not is_cluster_url(url):
+        raise ValueError(f"{redact_url(url)}: not a {CLUSTER_SCHEME} URL")
+    netloc = url[len(CLUSTER_SCHEME):].split("?", 1)[0].split("/", 1)[0]
+    username, password, hosts = _userinfo(netloc)
+    nodes = tuple(_host_port(h, url, DEFAULT_CLUSTER_PORT) for h in hosts.split(",") if h)
+    if not nodes:
+        raise ValueError(f"{redact_url(url)}: expected {CLUSTER_SCHEME}[:password@]host:port[,host:port...]")
+    return ClusterURL(nodes, username, password)
+
+
+def _userinfo(netloc: str) -> tuple[str | None, str | None, str]:
+    """(username, password, hosts) of a URL's netloc; "secret@host": the whole userinfo is the
+    password, as redis-py reads it."""
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at:
+        return None, None, hosts
+    user, colon, pw = userinfo.partition(":")
+    if not colon:
+        return None, unquote(user), hosts
+    return unquote(user) or None, unquote(pw), hosts
+
+
 def is_sentinel_url(url: str) -> bool:
     return url.lower().startswith(SENTINEL_SCHEME)
 
 
-def _host_port(item: str, url: str) -> tuple[str, int]:
+def _host_port(item: str, url: str, default_port: int = DEFAULT_SENTINEL_PORT) -> tuple[str, int]:
     host, sep, port = item.rpartition(":") if not item.endswith("]") else (item, "", "")
     if not sep:
-        host, port = item, str(DEFAULT_SENTINEL_PORT)
+        host, port = item, str(default_port)
     host = host.strip("[]")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{redact_url(url)}: bad sentinel address {item!r} (want host:port)")
@@ -84,13 +127,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         raise ValueError(f"{redact_url(url)}: not a {SENTINEL_SCHEME} URL")
     rest = url[len(SENTINEL_SCHEME):].split("?", 1)[0]
     netloc, _, path = rest.partition("/")
-    userinfo, at, hosts = netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, pw = userinfo.partition(":")
-        username, password = (unquote(user) or None), (unquote(pw) if colon else None)
-        if not colon:             # "secret@host": the whole userinfo is the password, as redis-py reads it
-            username, password = None, unquote(user)
+    username, password, hosts = _userinfo(netloc)
     sentinels = tuple(_host_port(h, url) for h in hosts.split(",") if h)
     parts = [p for p in path.split("/") if p]
     if not sentinels or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
@@ -162,6 +199,8 @@ def redis_client(url: str = DEFAULT_REDIS_URL, *, socket_timeout: float | None =
     kw = _kwargs(socket_timeout, socket_connect_timeout, health_check_interval, client_name,
                  max_connections, decode_responses)
     kw["retry"] = _retry(Retry, retries, backoff_base, backoff_cap)
+    if is_cluster_url(url):
+        return _cluster_client(url, kw)
     if is_sentinel_url(url):
         from redis.sentinel import Sentinel
         su = parse_sentinel_url(url)
@@ -169,6 +208,14 @@ def redis_client(url: str = DEFAULT_REDIS_URL, *, socket_timeout: float | None =
         return sentinel.master_for(su.service, redis_class=redis.Redis, db=su.db, username=su.username,
                                    password=su.password, **kw)
     return redis.Redis.from_url(url, **kw)
+
+
+def _cluster_client(url: str, kw: dict):
+    from redis.cluster import ClusterNode, RedisCluster
+    cu = parse_cluster_url(url)
+    kw = {k: v for k, v in kw.items() if k not in ("health_check_interval", "retry_on_error")}
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cu.nodes], username=cu.username,
+                        password=cu.password, **kw)
 
 
 def async_redis_client(url: str = DEFAULT_REDIS_URL, *, socket_timeout: float | None = DEFAULT_SOCKET_TIMEOUT,
@@ -190,6 +237,8 @@ def async_redis_client(url: str = DEFAULT_REDIS_URL, *, socket_timeout: float | 
     kw = _kwargs(socket_timeout, socket_connect_timeout, health_check_interval, client_name,
                  max_connections, decode_responses)
     kw["retry"] = _retry(Retry, retries, backoff_base, backoff_cap)
+    if is_cluster_url(url):
+        raise ValueError(f"{redact_url(url)}: a Redis Cluster serves only the KV store (--kv-store-url)")
     blocking = pool_wait_s is not None
     if blocking:
         kw["timeout"] = pool_wait_s

@@ -70,6 +70,9 @@ CHILD_FLAGS = (
     ChildFlag("--max-cpu-loras", "KAITEN_MAX_CPU_LORAS", "engine",
               "LoRA adapters kept loaded in memory, least recently used evicted (default: --max-loras)", int),
     ChildFlag("--max-lora-rank", "KAITEN_MAX_LORA_RANK", "engine", "the largest LoRA rank served (default 16)", int),
+    ChildFlag("--kv-store-url", "KAITEN_KV_STORE_URL", "engine",
+              "a Redis the engines share KV chunks through (docs/kv_store.md); any --redis-url form or "
+              "redis+cluster:// (default: with more than one engine, one started for it)"),
     ChildFlag("--served-model-name", "KAITEN_SERVED_MODEL_NAME", "gateway",
               "the model's name in the API (default: the directory's name)"),
     ChildFlag("--allowed-origins", "KAITEN_ALLOWED_ORIGINS", "gateway",
@@ -134,6 +137,7 @@ Each flag above also reads the variable it names. Other variables:
   HF_HUB_CACHE        the Hugging Face cache a repo id is looked up in (else $HF_HOME/hub,
                       else ~/.cache/huggingface/hub); nothing is downloaded
   KAITEN_NUM_THREADS  torch CPU threads of the engine (0: one per core)
+  KAITEN_KV_STORE_MAXMEMORY  maxmemory of the KV store serve starts (default 2gb)
   KAITEN_METRICS_PORT the engine's Prometheus /metrics port (default 8002, or a free one if
                       that is taken; 0: none); the gateway's is GET /metrics on --port
 Every flag of `kaiten engine --help` and `kaiten gateway --help` has a KAITEN_* variable too.

@@ -10,6 +10,11 @@ up, served from the cache, computed (the difference), requests per engine, and t
 
     .venv/bin/python bench/serving/routing.py                 # SmolLM2, N = 1, 2, 4: bench/results/routing/routing.{md,json}
     .venv/bin/python bench/serving/routing.py --quick         # the tiny random model: checks the bench
+    .venv/bin/python bench/serving/routing.py --engines 1,4 --policies prefix,prefix+store
+                                                              # + the engines share a KV store (docs/kv_store.md)
+
+A policy ending in ``+store`` also starts a KV store (a second redis-server, allkeys-lru) that the
+engines share; their "computed" then leaves out the prompt tokens they loaded from it.
 """
 from __future__ import annotations
 
@@ -60,7 +65,8 @@ class Run:
 def floor(runs: list[Run], r: Run) -> int | None:
     """The fewest prompt tokens `r` could compute with every engine that served holding its own copy
     of the shared prefix: the single engine's count plus one shared-prefix prefill per further engine."""
-    one = next((x.computed for x in runs if x.engines == 1 and x.policy == r.policy), None)
+    one = next((x.computed for x in runs if x.engines == 1 and x.policy in (r.policy, r.policy.partition("+")[0])),
+               None)
     if one is None:
         return None
     return one + (sum(1 for n in r.requests_per_engine if n) - 1) * r.shared_tokens
@@ -125,20 +131,29 @@ def shared_prefix_tokens(client, model: str, system: str, block_size: int) -> in
 
 
 def prefix_counts(hbs: dict[str, dict]) -> tuple[int, int, dict[str, int]]:
+    """Prompt tokens looked up, those not computed (prefix-cache hits and loads from a KV store),
+    requests per engine."""
     looked = sum(int(h.get("prefix_cache_queries", 0)) for h in hbs.values())
-    hits = sum(int(h.get("prefix_cache_hits", 0)) for h in hbs.values())
+    hits = sum(int(h.get("prefix_cache_hits", 0)) + int(h.get("kv_store_loaded_tokens", 0)) for h in hbs.values())
     return looked, hits, {e: int(h.get("counters", {}).get("requests", 0)) for e, h in hbs.items()}
 
 
 def run_one(n: int, policy: str, args) -> Run:
     import httpx
     import redis
+    from shared.launcher import start_local_redis
+    routing, _, store = policy.partition("+")
     stack = Stack(args.model, args.threads, 0.0, args.dtype,
                   engine_flags=["--metrics-port", "0", "--max-num-seqs", str(args.max_num_seqs)],
-                  gateway_flags=["--routing", policy, *shlex.split(args.routing_flags)])
+                  gateway_flags=["--routing", routing, *shlex.split(args.routing_flags)])
     print(f"N={n} routing={policy}: logs in {stack.workdir}", flush=True)
     run = Run(n, policy)
+    kv_store = None
     try:
+        if store:
+            kv_store, url = start_local_redis(name="kv-store", workdir=str(stack.workdir),
+                                              extra=("--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"))
+            stack.engine_flags += ["--kv-store-url", url]
         stack.start_redis()
         ids = [f"eng-{i}" for i in range(n)]
         for e in ids:
@@ -173,6 +188,9 @@ def run_one(n: int, policy: str, args) -> Run:
             print(f"  {len(errors)} errors, e.g. {errors[0]}", flush=True)
     finally:
         stack.stop()
+        if kv_store is not None:
+            kv_store.signal(signal.SIGTERM)
+            kv_store.proc.wait(10)
     print(f"  computed {run.computed} of {run.looked_up} (hit rate {run.hit_rate}), per engine "
           f"{run.requests_per_engine}, TTFT p50/p90 {run.ttft_p50}/{run.ttft_p90}", flush=True)
     return run
@@ -181,6 +199,8 @@ def run_one(n: int, policy: str, args) -> Run:
 def render(rep: dict) -> str:
     runs = [Run(**r) for r in rep["runs"]]
     base = {r.policy: r.computed for r in runs if r.engines == 1}
+    for r in runs:              # a store changes nothing for one engine: compare with its routing alone
+        base.setdefault(r.policy, base.get(r.policy.partition("+")[0]))
     lines = ["# Cache-aware routing: prompt tokens computed as engines are added", "",
              f"`{rep['command']}`, {rep['date']}, model {rep['model']} ({rep['dtype']}), {rep['cpu']} "
              f"({rep['cores']} cores; {rep['flags']}), load average {rep['load_avg_before']} before, "

@@ -14,6 +14,9 @@ import numpy as np
 import torch
 
 from engine_worker.engine.block_manager import BlockManager
+from engine_worker.engine.kv_connector import KVConnector
+from engine_worker.engine.kv_layout import AdapterIds, KVLayout
+from engine_worker.engine.kv_offload import KVOffload
 from engine_worker.engine.lora_registry import LoraRegistry
 from engine_worker.model.model_runner import ModelRunner
 from engine_worker.engine.sampler import Sampler
@@ -22,6 +25,7 @@ from engine_worker.engine.scheduler import ScheduledBatch, Scheduler
 from engine_worker.engine.sequence import Sequence
 from engine_worker.engine.speculative import Speculator, make_proposer
 from engine_worker.engine.structured_output import StructuredOutput
+from engine_worker.model.fingerprint import model_fingerprint
 from engine_worker.model.lora_weights import load_lora
 from shared.block_hash import root_hash
 from shared.config import EngineConfig
@@ -69,6 +73,18 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0     # drafts scored,
     spec_decode_num_accepted_tokens: int = 0  # drafts accepted,
     spec_decode_accepted_per_position: list[int] = field(default_factory=list)   # and by draft position
+    kv_store_hit_chunks: int = 0         # the shared KV store (cumulative): chunks loaded,
+    kv_store_miss_chunks: int = 0        # fetches that ended before their last chunk,
+    kv_store_invalid_chunks: int = 0     # values refused (corrupt, partial, another layout),
+    kv_store_loaded_tokens: int = 0      # prompt tokens put into blocks from the store,
+    kv_store_bytes_loaded: int = 0
+    kv_store_load_seconds: float = 0.0
+    kv_store_saved_chunks: int = 0
+    kv_store_bytes_stored: int = 0
+    kv_store_store_seconds: float = 0.0
+    kv_store_dropped_writes: int = 0     # saves dropped: the write queue was full
+    kv_store_errors: int = 0
+    kv_store_loads_skipped: int = 0      # loads not asked for: measured slower than a prefill
 
 
 class LLMEngine:
@@ -99,6 +115,7 @@ class LLMEngine:
         self.structured = StructuredOutput(config.model, self.vocab_size, self.eos_token_ids)
         self._pending_outputs: list[RequestOutput] = []
         self.step_count = 0
+        self.kv: KVOffload | None = None       # a shared KV store (attach_kv_connector)
         log.info("engine ready: model=%s dtype=%s kv cache %s, blocks=%d x %d tokens, backend=%s", self.model_name,
                  self.runner.dtype, self.runner.kv_dtype, self.runner.num_blocks, self.runner.block_size,
                  self.runner.backend.name)
@@ -128,6 +145,8 @@ class LLMEngine:
             raise ValueError("LoRA is disabled on this engine (max_loras is 0)")
         self.runner.enable_lora()
         self.loras.add(name, path)
+        if self.kv is not None:
+            self.kv.adapter_id.forget(name)
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving `name` (False: not served). Requests already using it finish with it;
@@ -135,6 +154,8 @@ class LLMEngine:
         in_use = name in self.scheduler.loras_in_use()
         if self.loras is None or not self.loras.remove(name, in_use):
             return False
+        if self.kv is not None:
+            self.kv.adapter_id.forget(name)
         if not in_use:
             self.block_manager.drop_root(root_hash(name))
         return True
@@ -154,6 +175,31 @@ class LLMEngine:
             return None
         where = self.loras.slot_map(needed, self.scheduler.running_loras)
         return [where[seq.lora_name] if seq.lora_name else -1 for seq in seqs]
+
+    # ---- a shared KV store ---------------------------------------------------------------------
+    def kv_layout(self) -> KVLayout:
+        """What this engine's stored chunks hold, and whose they are (kv_layout.py)."""
+        cfg, r = self.runner.model_config, self.runner
+        model_id = model_fingerprint(self.config.model, str(r.dtype), self.config.quantization)
+        return KVLayout.build(model_id, r.kv_dtype, r.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                              self.config.kv_store_chunk_tokens)
+
+    def attach_kv_connector(self, connector: KVConnector, layout: KVLayout) -> None:
+        """Read prompts' KV from, and write full chunks to, a store shared with other engines."""
+        if not self.config.enable_prefix_caching:
+            raise ValueError("a KV store needs prefix caching (its chunks are named by the prefix cache's hashes)")
+        if self.runner.kv_window:
+            raise ValueError("a KV store cannot serve a model whose every layer slides (blocks behind the window "
+                             "are released)")
+        adapter_ids = AdapterIds(lambda name: self.loras.paths.get(name) or self.loras.retiring[name])
+        self.kv = KVOffload(connector, layout, self.runner.kv_caches, self.runner.kv_dtype, adapter_ids)
+        self.scheduler.kv_loads = self.kv
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """To the scheduler's queue; LOADING first where the store may hold more of its prompt."""
+        self.scheduler.add(seq)
+        if self.kv is not None:
+            self.kv.start_load(seq, len(self.block_manager.find_cached_prefix(seq)))
 
     @property
     def eos_token_id(self) -> int | None:
@@ -183,7 +229,7 @@ class LLMEngine:
         if params.structured_output is not None:
             self.structured.submit(seq)       # to the scheduler once its grammar is compiled
         else:
-            self.scheduler.add(seq)
+            self._enqueue(seq)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -236,13 +282,19 @@ class LLMEngine:
         """One iteration: schedule, run the model, sample; returns every request's news since the
         last step (aborts included)."""
         self._admit_compiled()
+        if self.kv is not None:
+            self.kv.poll()
         outputs, self._pending_outputs = self._pending_outputs, []
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.kv is not None:
+            self._after_schedule(batch)
         if batch.seqs:
             decoding = self.speculator is not None and all(s.num_computed_tokens == s.num_tokens - 1
                                                            for s in batch.seqs)
             outputs.extend(self._run(batch))
+            if self.kv is not None:
+                self.kv.observe_step(batch.num_tokens, time.perf_counter() - start)
             if self.speculator is not None:        # a step's time includes proposing the next drafts
                 self.speculator.propose(self.scheduler.running)
                 if decoding:
@@ -251,13 +303,22 @@ class LLMEngine:
         self.step_count += 1
         return outputs
 
+    def _after_schedule(self, batch: ScheduledBatch) -> None:
+        """Preempted sequences read all their stored chunks back (swap-in: the blocks they leave
+        cached are the first to be evicted under the pressure that preempted them); with nothing
+        to run but loads, wait a little for one rather than spin."""
+        for seq in batch.preempted:
+            self.kv.start_load(seq, 0)
+        if not batch.seqs and self.kv.has_pending():
+            self.kv.connector.wait(0.005)
+
     def _admit_compiled(self) -> None:
         """Constrained requests whose grammar is compiled go to the scheduler; failed ones end."""
         if not self.scheduler.has_unfinished() and not self._pending_outputs:
             self.structured.wait(0.005)        # nothing else to run: do not spin
         ready, failed = self.structured.take_ready()
         for seq in ready:
-            self.scheduler.add(seq)
+            self._enqueue(seq)
         for seq, error in failed:
             seq.finish_reason = "error"
             self._pending_outputs.append(self._output(seq, [], None, error))
@@ -275,6 +336,8 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n - len(seq.spec_token_ids)     # drafts count once accepted
             self.block_manager.computed(seq)
+        if self.kv is not None:                # before finished sequences free their blocks
+            self.kv.save_full_chunks(batch.seqs)
         if not rows:
             return []
         seqs = [batch.seqs[i] for i in rows]
@@ -383,7 +446,10 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks, max_num_seqs=s.max_num_seqs,
             num_preemptions=s.num_preemptions, step_count=self.step_count,
             prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
-            **self._spec_stats())
+            **self._spec_stats(), **self._kv_store_stats())
+
+    def _kv_store_stats(self) -> dict:
+        return {} if self.kv is None else self.kv.engine_stats()
 
     def _spec_stats(self) -> dict:
         if self.speculator is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from engine_worker.engine.llm_engine import LLMEngine, RequestOutput
 from engine_worker.engine.sampling_params import SamplingParams
+from engine_worker.kv_store.redis_store import attach_kv_store
 from shared.config import EngineConfig
 
 
@@ -31,6 +32,7 @@ class Completion:
 class LLM:
     def __init__(self, model: str = "", **engine_args):
         self.engine = LLMEngine(EngineConfig(model=model, offline=True).with_overrides(**engine_args))
+        attach_kv_store(self.engine)
         self._tokenizer = None
         self._ids = itertools.count()
 

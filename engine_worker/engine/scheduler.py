@@ -4,6 +4,8 @@ Every step: running sequences first (decodes and unfinished prefill chunks), in 
 then waiting sequences FCFS while blocks, the token budget and the batch cap allow. When a running
 sequence cannot get a block, the most recently admitted one is preempted by recompute: its blocks
 are freed and it returns to the front of the waiting queue with the tokens it already generated.
+With a shared KV store (kv_offload.py) a sequence LOADING its prefix is passed over until its
+fetch ends; then its loaded blocks that continue its prefix-cache hits count as computed.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}       # every waiting or running sequence
         self.num_preemptions = 0
+        self.kv_loads = None        # kv_offload.KVOffload where a shared KV store is attached
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,7 +64,7 @@ class Scheduler:
         """Take `seq` out of the queues and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self._stop_running(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.LOADING):
             self.waiting.remove(seq)
         self.by_id.pop(seq.request_id, None)
         self.block_manager.free(seq)
@@ -129,19 +132,25 @@ class Scheduler:
         passed: list[Sequence] = []            # waiting for an adapter slot, in queue order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._lora_fits(seq):
+            if seq.status is SequenceStatus.LOADING or not self._lora_fits(seq):
                 passed.append(self.waiting.popleft())
                 continue
             cached = [] if seq.needs_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
-            num_cached = len(cached) * self.block_manager.block_size
+            loaded = self.kv_loads.usable(seq, len(cached)) if seq.kv_load is not None else 0
+            bs = self.block_manager.block_size
+            num_cached = (len(cached) + loaded) * bs
             n = min(seq.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate(seq, n, cached):
+            if not self.block_manager.allocate(seq, loaded * bs + n, cached):
                 break                              # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if loaded:
+                self.kv_loads.write(seq, len(cached), loaded)
+            seq.kv_load = None
             seq.num_computed_tokens = num_cached
-            self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
+            self.block_manager.record_prefix_lookup(seq.num_tokens, len(cached) * bs)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
+                seq.num_loaded_tokens = loaded * bs
                 seq.scheduled_time = time.time()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

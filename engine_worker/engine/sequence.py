@@ -14,6 +14,7 @@ from shared.protocol import TokenLogprob
 
 class SequenceStatus(Enum):
     WAITING = auto()
+    LOADING = auto()       # waiting for its KV from the shared store (kv_offload.py); passed over
     RUNNING = auto()
     FINISHED = auto()
 
@@ -31,6 +32,9 @@ class Sequence:
     num_computed_tokens: int = 0         # tokens whose K/V is in the cache
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
+    num_loaded_tokens: int = 0           # prompt tokens whose KV came from the shared store
+    num_stored_chunks: int = 0           # leading full chunks written to (or known in) the store
+    kv_load: Any = None                  # kv_offload.LoadedPrefix: fetched, not yet in blocks
     finish_reason: str | None = None
     stop_reason: int | None = None       # the stop token id that finished it (EOS and length: None)
     generator: torch.Generator | None = None    # seeded requests; re-seeded per position (sampler)

@@ -9,10 +9,16 @@ prompt and output of each request that finished there, so a chat's next turn fin
 SGLang's router:
 
 - ``no_hit``: the best engine holds less than ``cache_threshold`` of the prompt: the model's shared
-  stream, where any of its engines with room takes it (the queue, as without routing).
+  stream, where any of its engines with room takes it (the queue, as without routing); where the
+  engines share a KV store, the least loaded engine's own stream (see ``_unrouted``).
 - ``load_spill``: the best engine (most blocks; the least loaded among equals) is busier than the
   least loaded engine by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
   times: the least loaded engine's own stream.
+- ``store_spill``: the engines share a KV store (their heartbeats say ``kv_store``), the prompt's
+  blocks the best engine holds are held by the least loaded one or by the store (a block in a
+  store-sharing engine's published list was computed, so written), and the best engine is busier by more than
+  ``store_balance_threshold`` requests: the least loaded engine's own stream. There the prefix
+  costs a load, not a prefill, so placement spreads load instead of piling it on one cache.
 - ``prefix_hit``: else the best engine's own stream.
 - ``fallback``: routing is off (``--routing queue``), no engine reports its blocks, or none is live.
 
@@ -36,7 +42,8 @@ from shared.block_hash import prefix_block_hashes
 from .engines import EngineInfo, EngineMonitor
 
 ROUTING_POLICIES = ("prefix", "queue")
-REASONS = ("prefix_hit", "load_spill", "no_hit", "fallback")
+REASONS = ("prefix_hit", "load_spill", "store_spill", "no_hit", "fallback")
+STORE_BALANCE_THRESHOLD = 1         # requests: spill to a store-sharing engine past this imbalance
 MAX_SENT_HASHES = 65_536            # per engine: optimistic knowledge is bounded
 
 
@@ -111,12 +118,31 @@ class Placer:
         lo, hi = loads[least.engine_id], loads[best.engine_id]
         if hi > lo + self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             return self._send(least, hashes, now, "load_spill", hits[least.engine_id])
+        if hi > lo + STORE_BALANCE_THRESHOLD and self._in_store(least, engines, hits, hashes) >= best_hit:
+            return self._send(least, hashes, now, "store_spill", hits[least.engine_id])
         return self._send(best, hashes, now, "prefix_hit", best_hit)
+
+    @staticmethod
+    def _in_store(engine: EngineInfo, engines: list[EngineInfo], hits: dict[str, int], hashes: list[int]) -> int:
+        """Leading blocks `engine` has or can load: its own, or those a store-sharing engine's
+        published list holds (computed, so written). Blocks only sent to an engine are not in the
+        store yet: a burst on a new prefix waits for the one engine computing it."""
+        if not engine.get("kv_store"):
+            return hits[engine.engine_id]
+        stored = 0
+        for e in engines:
+            if e.get("kv_store"):
+                stored = max(stored, next((i for i, h in enumerate(hashes) if h not in e.blocks), len(hashes)))
+        return max(hits[engine.engine_id], stored)
 
     def _unrouted(self, engines: list[EngineInfo], shared_stream: str, lora_name: str, now: float, reason: str,
                   hashes: list[int] = (), hit: int = 0) -> Decision:
-        """No engine's cache decides: the shared stream, or for an adapter its least loaded engine."""
-        if not lora_name:
+        """No engine's cache decides: the shared stream, or for an adapter its least loaded engine.
+        Engines sharing a KV store: the least loaded one too, so this gateway knows where the new
+        prefix is being computed and sends the requests that share it there, not to engines that
+        would compute it again at the same time (they load it once it is written)."""
+        store = bool(hashes) and reason == "no_hit" and all(e.get("kv_store") for e in engines)
+        if not lora_name and not store:
             return Decision(shared_stream, None, reason, hit)
         if not engines:
             return Decision("", None, reason)

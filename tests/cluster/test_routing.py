@@ -146,6 +146,33 @@ def test_placement_spills_a_busy_engines_hot_prefix():
     assert (d.engine_id, d.reason) == ("b", "load_spill")
 
 
+def test_engines_sharing_a_kv_store_spread_a_hot_prefix_at_a_small_imbalance():
+    """The prefix a busy engine holds is in the store: on the least loaded engine it costs a load,
+    so a request spills at an imbalance below the cache-only thresholds; without a store it stays."""
+    hot = prefix_block_hashes(SYSTEM + [5] * 32, BS)
+    prompt = SYSTEM + [5] * 32 + [6]
+    shared = monitor_with(("a", hot, 4), ("b", [], 1))
+    for e in shared.engines.values():
+        e.heartbeat["kv_store"] = True
+    d = place(Placer(shared), prompt)
+    assert (d.engine_id, d.reason) == ("b", "store_spill")
+    d = place(Placer(monitor_with(("a", hot, 4), ("b", [], 1))), prompt)
+    assert (d.engine_id, d.reason) == ("a", "prefix_hit")
+
+
+def test_a_burst_on_a_new_prefix_goes_to_the_one_store_engine_computing_it():
+    """No engine holds it and none has written it: the first request goes to the least loaded
+    engine's own stream, and those sharing its prefix follow it there (blocks only sent to an
+    engine are not in the store), rather than four engines computing it at once."""
+    mon = monitor_with(*((e, [], 0) for e in "abcd"))
+    for e in mon.engines.values():
+        e.heartbeat["kv_store"] = True
+    placer = Placer(mon)
+    picks = [place(placer, turn(u, 1)) for u in range(4)]
+    assert picks[0].reason == "no_hit" and picks[0].engine_id is not None
+    assert {d.engine_id for d in picks} == {picks[0].engine_id}
+
+
 def test_a_burst_spreads_before_the_next_heartbeat():
     """Eight new conversations on the shared system prompt, all engines holding it: what this
     gateway just sent counts as load, so they spread evenly."""

@@ -31,13 +31,14 @@ STEP_S = 0.02                     # each engine step >= 20 ms: 200 tokens take >
 
 
 # ---------------------------------------------------------------------- the stack
-def engine_process(url: str, model_dir, engine_id: str, log_path: Path, go_file: str = "-") -> subprocess.Popen:
+def engine_process(url: str, model_dir, engine_id: str, log_path: Path, go_file: str = "-",
+                   extra: tuple[str, ...] = ()) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     return subprocess.Popen(
         [sys.executable, "-m", "tests.support.slow_engine", str(STEP_S), go_file, "--model", str(model_dir),
          "--redis-url", url, "--engine-id", engine_id, "--dtype", "float32", "--kv-cache-memory", "8MiB",
          "--heartbeat-interval", "0.2", "--heartbeat-ttl", "1.0", "--claim-idle-ms", "300",
-         "--janitor-interval", "0.2", "--idle-block-ms", "20", "--num-threads", "1", "--log-level", "INFO"],
+         "--janitor-interval", "0.2", "--idle-block-ms", "20", "--num-threads", "1", "--log-level", "INFO", *extra],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
 
 
@@ -98,11 +99,14 @@ class Stack:
 
 
 @contextmanager
-def two_engines_and_a_gateway(model_dir, tmp_path, go_files: dict[str, str] | None = None, **gateway_overrides):
+def two_engines_and_a_gateway(model_dir, tmp_path, go_files: dict[str, str] | None = None,
+                              engine_args: tuple[str, ...] = (), **gateway_overrides):
+    """`engine_args`: more `kaiten engine` flags for both engines."""
     server = RedisServer().start()
     r = redis.Redis.from_url(server.url)
     logs = {e: tmp_path / f"{e}.log" for e in ("eng-a", "eng-b")}
-    procs = {e: engine_process(server.url, model_dir, e, logs[e], (go_files or {}).get(e, "-")) for e in logs}
+    procs = {e: engine_process(server.url, model_dir, e, logs[e], (go_files or {}).get(e, "-"), engine_args)
+             for e in logs}
     srv = tap = None
     try:
         srv = start_gateway(server.url, model_dir, **{"engine_timeout": 5.0, "failover_timeout": 2.0,
