@@ -20,8 +20,9 @@ def forward(request) -> str:
 @pytest.mark.parametrize("packed", [True, False], ids=["packed-weights", "plain-linear"])
 def test_greedy_matches_hf_all_at_once(tiny_model_dir, prompts, expected, packed, forward):
     """On the CPU the projections run on oneDNN-packed weights by default; the plain nn.Linear
-    path (CUDA) must match HF as well."""
-    llm = make_llm(tiny_model_dir, forward, pack_cpu_weights=packed)
+    path (CUDA, or the CPU with --no-deterministic and --no-pack-cpu-weights: deterministic packs
+    regardless) must match HF as well."""
+    llm = make_llm(tiny_model_dir, forward, pack_cpu_weights=packed, deterministic=packed)
     assert any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules()) == packed
     got = llm.generate(prompts, greedy())
     assert [c.token_ids for c in got] == expected
