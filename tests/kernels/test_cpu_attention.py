@@ -25,6 +25,18 @@ def backend():
     return cpu_attention.CppAttention()
 
 
+@pytest.fixture(scope="module")
+def loose_backend(backend):
+    """The kernel without --deterministic: its plans by the batch, and any block size under a window."""
+    return cpu_attention.CppAttention(deterministic=False)
+
+
+def windowed(backend, loose_backend, bs: int):
+    """The backend that takes a window over blocks of `bs`: the invariant kernel's key tiles sit at
+    fixed positions, so it needs blocks of a multiple of 16 (the engine refuses others)."""
+    return backend if bs % 16 == 0 else loose_backend
+
+
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
 
 
@@ -323,8 +335,14 @@ WINDOW_BATCHES = {
 @pytest.mark.parametrize("bs", [16, 5])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("batch", list(WINDOW_BATCHES))
-def test_sliding_window_against_dense(backend, batch, heads, bs, dtype):
-    check(backend, WINDOW_BATCHES[batch], *heads, 64, bs, dtype, windows=WINDOWS)
+def test_sliding_window_against_dense(backend, loose_backend, batch, heads, bs, dtype):
+    check(windowed(backend, loose_backend, bs), WINDOW_BATCHES[batch], *heads, 64, bs, dtype, windows=WINDOWS)
+
+
+def test_invariant_windows_need_blocks_of_a_multiple_of_16(backend):
+    q, kc, vc, meta, _, _ = make_batch([(1, 40)], 4, 4, 64, 5, torch.float32, seed=1)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        backend.attention(q, kc, vc, meta, 0.125, 7)
 
 
 @pytest.mark.parametrize("d", [32, 128])
@@ -346,9 +364,10 @@ def test_sliding_window_a_16_bit_cache(backend, batch, dtype, cache_dtype):
 @pytest.mark.parametrize("heads,specs", [
     ((9, 3), [(1, 1000)]), ((8, 2), [(1, 700), (1, 64)]), ((4, 4), [(3, 257)]), ((4, 4), [(4, 300)])],
     ids=["one-long", "two", "mha-3-tokens", "mha-4-tokens"])
-def test_sliding_window_decodes_split_over_the_window(backend, dtype, bs, heads, specs):
+def test_sliding_window_decodes_split_over_the_window(backend, loose_backend, dtype, bs, heads, specs):
     """One long decode on 2 threads splits its window's keys (not its context's) into parts: the
     result matches the dense one and the serial run's, for windows of a few parts and of one."""
+    backend = windowed(backend, loose_backend, bs)
     q, kc, vc, meta, keys, values = make_batch(specs, *heads, 64, bs, dtype, seed=bs + len(specs))
     for window in (1, 40, 130, 333):
         serial, split = serial_and_threaded(lambda: backend.attention(q, kc, vc, meta, 0.125, window), 2)
@@ -366,16 +385,18 @@ def blocks_before_windows(meta, window, bs):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stale", ["nan_blocks", "out_of_range", "minus_one"])
-def test_blocks_before_the_window_are_never_read(backend, stale, dtype, threads):
+@pytest.mark.parametrize("bs", [16, 5])
+def test_blocks_before_the_window_are_never_read(backend, loose_backend, stale, dtype, threads, bs):
     """The blocks wholly before a sequence's window may be released and reused: fill them with NaN,
     or point their entries past the pool or at -1 (which the kernel would reject if it looked),
     and the output keeps its bits; one sequence alone (split on 2 threads) and a mixed batch."""
     for specs in ([(1, 1000)], WINDOW_BATCHES["window_edges"] + [(1, 300), (70, 300), (9, 200)]):
-        q, kc, vc, meta, _, _ = make_batch(specs, 9, 3, 64, 5, dtype, seed=len(specs))
+        q, kc, vc, meta, _, _ = make_batch(specs, 9, 3, 64, bs, dtype, seed=len(specs))
+        attention = windowed(backend, loose_backend, bs).attention
         for window in (1, 24, 100):
-            run = lambda: backend.attention(q, kc, vc, meta, 0.125, window)   # noqa: E731
+            run = lambda: attention(q, kc, vc, meta, 0.125, window)   # noqa: E731
             want = serial_and_threaded(run, threads)[1]
-            entries = blocks_before_windows(meta, window, 5)
+            entries = blocks_before_windows(meta, window, bs)
             assert entries
             table, k_before, v_before = meta.block_tables.clone(), kc.clone(), vc.clone()
             for i, b in entries:
@@ -422,7 +443,8 @@ def test_sliding_window_write_kv_and_attention_and_op_schemas(backend):
     assert torch.equal(got, want)
     ops = torch.ops.kaiten_cpu
     for op in (ops.paged_attention.default, ops.write_kv_attention.default):
-        assert op._schema.arguments[-1].name == "window" and op._schema.arguments[-1].default_value == 0
+        args_by_name = {a.name: a for a in op._schema.arguments}
+        assert args_by_name["window"].default_value == 0 and op._schema.arguments[-1].name == "invariant"
     args = (q, kc.nan_to_num(), vc.nan_to_num(), meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, 0.125)
     torch.library.opcheck(ops.paged_attention.default, args, {"window": 9},
                           test_utils=("test_schema", "test_faketensor"))
