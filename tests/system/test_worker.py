@@ -390,7 +390,7 @@ def test_heartbeat_contents(redis_url, start_worker, tiny_model_dir):
     assert busy["kv_cache_usage"] > 0
     gw.abort("busy")
     gw.wait(["busy"])
-    from engine_worker.worker import healthcheck
+    from engine_worker.cli import healthcheck
     assert healthcheck(WorkerConfig(redis_url=redis_url, engine_id="hb-1")) == 0
     # A clean stop deletes the key, so gateways notice at once.
     w.stop()
@@ -548,7 +548,7 @@ def test_long_prompt_is_chunked_and_decodes_keep_flowing(redis_url, start_worker
 
 
 def test_cli_config_env_and_flags(monkeypatch, tiny_model_dir):
-    from engine_worker.worker import build_parser, configs_from_args
+    from engine_worker.cli import build_parser, configs_from_args
     monkeypatch.setenv("REDIS_URL", "redis://example:1/0")
     monkeypatch.setenv("KAITEN_MAX_NUM_SEQS", "7")
     monkeypatch.setenv("KAITEN_CLAIM_IDLE_MS", "1234")
