@@ -60,6 +60,29 @@ def step_ms(op, caches, flush, args) -> float:
     return total * 1e3
 
 
+def interleaved_medians(ops: dict, cases: list, cache_dtypes: dict, threads: list[int], rounds: int) -> dict:
+    """Median ms of a step of every op, {(threads, case, cache dtype, op name): ms}: the ops
+    interleaved round by round, their order reversed every other round, after a warm-up round."""
+    torch.manual_seed(0)
+    caches = {name: [(zeros_on_huge_pages((BLOCKS, BS, HKV, D), dt).normal_(),
+                      zeros_on_huge_pages((BLOCKS, BS, HKV, D), dt).normal_()) for _ in range(LAYERS)]
+              for name, dt in cache_dtypes.items()}
+    flush = torch.randn(3 << 18)
+    inputs = {case: step_args(*case[1:]) for case in cases}
+    times: dict[tuple, list[float]] = {}
+    for rnd in range(rounds + 1):                       # round 0 warms up
+        order = list(ops.items()) if rnd % 2 else list(reversed(ops.items()))
+        for n in threads:
+            torch.set_num_threads(n)
+            for case in cases:
+                for cname in cache_dtypes:
+                    for name, op in order:
+                        ms = step_ms(op, caches[cname], flush, inputs[case])
+                        if rnd:
+                            times.setdefault((n, case, cname, name), []).append(ms)
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision of the base kernel")
@@ -70,26 +93,9 @@ def main() -> None:
     load_cpu_ops()
     ops = {"base": base_ops(args.base, "paged_attention_cpu.cpp").paged_attention,
            "working tree": torch.ops.kaiten_cpu.paged_attention}
-    torch.manual_seed(0)
     load0 = load_avg()
-    caches = {name: [(zeros_on_huge_pages((BLOCKS, BS, HKV, D), dt).normal_(),
-                      zeros_on_huge_pages((BLOCKS, BS, HKV, D), dt).normal_()) for _ in range(LAYERS)]
-              for name, dt in CACHE_DTYPES.items()}
-    flush = torch.randn(3 << 18)
     threads = [int(t) for t in args.threads.split(",")]
-    inputs = {case: step_args(*case[1:]) for case in CASES}
-    times: dict[tuple, list[float]] = {}
-    for rnd in range(args.rounds + 1):                  # round 0 warms up
-        order = list(ops.items()) if rnd % 2 else list(reversed(ops.items()))
-        for n in threads:
-            torch.set_num_threads(n)
-            for case in CASES:
-                for cname in CACHE_DTYPES:
-                    for name, op in order:
-                        ms = step_ms(op, caches[cname], flush, inputs[case])
-                        if rnd:
-                            times.setdefault((n, case, cname, name), []).append(ms)
-    med = {key: statistics.median(v) for key, v in times.items()}
+    med = interleaved_medians(ops, CASES, CACHE_DTYPES, threads, args.rounds)
     lines = [f"# paged_attention: the working tree against {args.base}, in one process\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), kernel ISA {cpu_capability()[0]}, torch "
              f"{torch.__version__}; load {load0} before, {load_avg()} after. SmolLM2-135M's attention, {LAYERS} "

@@ -13,7 +13,6 @@ Writes bench/results/batch_invariance/<NAME>.md (default attention_invariant).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,15 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import RESULTS  # noqa: E402
-from bench.kernels.attention_ab import BLOCKS, BS, D, HKV, LAYERS, step_args, step_ms  # noqa: E402
-from engine_worker.model.host_memory import zeros_on_huge_pages  # noqa: E402
+from bench.kernels.attention_ab import CACHE_DTYPES, LAYERS, interleaved_medians  # noqa: E402
 from kernels.cpu_ops_build import cpu_capability, load_cpu_ops  # noqa: E402
 
 # (kind, sequences, new tokens a sequence, context a sequence): c=1 decodes, where the split by
 # threads mattered, a 32-sequence decode step, prefill chunks
 CASES = [("decode", 1, 1, 300), ("decode", 1, 1, 1024), ("decode", 32, 1, 384), ("prefill", 4, 256, 256),
          ("prefill", 1, 512, 1024)]
-CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 def main() -> None:
@@ -45,26 +42,9 @@ def main() -> None:
     load_cpu_ops()
     op = torch.ops.kaiten_cpu.paged_attention
     ops = {"invariant": lambda *a: op(*a, 0, True), "fastest": lambda *a: op(*a, 0, False)}
-    torch.manual_seed(0)
     load0 = load_avg()
-    caches = {name: [(zeros_on_huge_pages((BLOCKS, BS, HKV, D), dt).normal_(),
-                      zeros_on_huge_pages((BLOCKS, BS, HKV, D), dt).normal_()) for _ in range(LAYERS)]
-              for name, dt in CACHE_DTYPES.items()}
-    flush = torch.randn(3 << 18)
     threads = [int(t) for t in args.threads.split(",")]
-    inputs = {case: step_args(*case[1:]) for case in cases}
-    times: dict[tuple, list[float]] = {}
-    for rnd in range(args.rounds + 1):                  # round 0 warms up
-        order = list(ops.items()) if rnd % 2 else list(reversed(ops.items()))
-        for n in threads:
-            torch.set_num_threads(n)
-            for case in cases:
-                for cname in CACHE_DTYPES:
-                    for name, fn in order:
-                        ms = step_ms(fn, caches[cname], flush, inputs[case])
-                        if rnd:
-                            times.setdefault((n, case, cname, name), []).append(ms)
-    med = {key: statistics.median(v) for key, v in times.items()}
+    med = interleaved_medians(ops, cases, CACHE_DTYPES, threads, args.rounds)
     lines = ["# paged_attention: invariant (--deterministic) against the fastest plan, in one process\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), kernel ISA {cpu_capability()[0]}, torch "
              f"{torch.__version__}; load {load0} before, {load_avg()} after. SmolLM2-135M's attention, {LAYERS} "
