@@ -153,7 +153,7 @@ class EngineConfig(_EnvConfig):
     max_num_seqs: int = 256              # running batch cap
     max_model_len: int = 0               # 0: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    pack_cpu_weights: bool = True        # CPU fp32: projections on oneDNN-packed weights (faster decode)
+    pack_cpu_weights: bool = True        # CPU fp32: oneDNN-packed projections (faster decode); deterministic packs anyway
     attention_backend: str = "auto"      # auto | cpu (C++) | torch | triton | flash_attn
     deterministic: bool = True           # batch-invariant numerics: a request's tokens do not depend
                                          # on its batch, chunks or prefix hits (docs/deterministic.md)

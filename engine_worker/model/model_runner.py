@@ -121,6 +121,9 @@ class ModelRunner:
         # deterministic packs regardless: oneDNN's GEMM on packed weights computes a row the same
         # whatever the rows beside it, MKL's on plain ones does not (bench/results/batch_invariance)
         if (config.pack_cpu_weights or config.deterministic) and PackedLinear.supported(self.device, self.dtype):
+            if not config.pack_cpu_weights:
+                log.warning("--no-pack-cpu-weights does not apply with --deterministic: the weights are packed "
+                            "(add --no-deterministic for plain ones)")
             self.model.pack_for_cpu()
         if self.device.type == "cpu":
             onto_huge_pages(self.model)
