@@ -107,12 +107,12 @@ def _compiler_id(cxx: str) -> bytes:
 
 
 def kernel_digest(files: dict[str, bytes], cflags: list[str], cxx: str) -> str:
-    """A digest of kernel sources (by path under csrc/), their flags and the compiler, part of a
-    build's name (the torch version names the folder above it): checkouts with different kernels
-    (another branch, an older release) never load each other's build from the shared cache, and
-    checkouts of the same kernels share one."""
+    """A digest of kernel sources (by path under csrc/), their build file (flags and commands) and
+    the compiler, part of a build's name (the torch version names the folder above it): checkouts
+    with different kernels (another branch, an older release) never load each other's build from
+    the shared cache, and checkouts of the same kernels share one."""
     key = b"".join(name.encode() + b"\0" + data for name, data in files.items())
-    key += " ".join(cflags).encode() + _compiler_id(cxx)
+    key += _ninja_file(cxx, cflags).encode() + _compiler_id(cxx)
     return hashlib.sha1(key).hexdigest()[:12]
 
 
@@ -151,16 +151,29 @@ def _ninja() -> str:
     return found
 
 
+def _link_torch(build_dir: Path) -> None:
+    """build_dir/torch points at this process's torch. build.ninja names torch through it, so its
+    commands are the same from every venv of this torch version (the folder's name holds the
+    version) and ninja, which rebuilds whatever command changed, keeps a build another venv began."""
+    link, target = build_dir / "torch", Path(torch.__file__).resolve().parent
+    if link.is_symlink() and Path(os.readlink(link)) == target:
+        return
+    staged = build_dir / f".torch-{os.getpid()}"
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(target, target_is_directory=True)
+    os.replace(staged, link)
+
+
 def _ninja_file(cxx: str, cflags: list[str]) -> str:
     """build.ninja: each source compiled on its own (ninja runs them in parallel), then linked
-    against torch's libraries, which the process that loads it has loaded already."""
-    torch_dir = Path(torch.__file__).resolve().parent
+    against torch's libraries, which the process that loads it has loaded already. Torch's headers
+    are system headers (-isystem), so no depfile names them."""
     q = shlex.quote
     lines = [
         "ninja_required_version = 1.3",
         f"cxx = {q(cxx)}",
-        f"cflags = {' '.join(map(q, cflags))} -isystem {q(str(torch_dir / 'include'))}",
-        f"ldflags = -shared -fopenmp -L{q(str(torch_dir / 'lib'))} -lc10 -ltorch_cpu",
+        f"cflags = {' '.join(map(q, cflags))} -isystem torch/include",
+        "ldflags = -shared -fopenmp -Ltorch/lib -lc10 -ltorch_cpu",
         "rule compile",
         "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out",
         "  depfile = $out.d",
@@ -185,6 +198,7 @@ def _first_error(output: str) -> str:
 def _build(build_dir: Path, files: dict[str, bytes], cxx: str, cflags: list[str]) -> None:
     """Runs the build in build_dir; raises with the failure's one line (the whole log in build.log)."""
     stage_files(build_dir / "src", files)
+    _link_torch(build_dir)
     (build_dir / "build.ninja").write_text(_ninja_file(cxx, cflags))
     jobs = str(len(os.sched_getaffinity(0)))
     proc = subprocess.run([_ninja(), "-C", str(build_dir), "-j", jobs], capture_output=True, text=True)

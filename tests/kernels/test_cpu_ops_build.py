@@ -59,8 +59,12 @@ def test_a_build_killed_midway_is_finished_by_the_next_load(library, tmp_path):
     """A build that died before its end left no marker and no library: the next load builds what
     is missing (ninja keeps the objects it finished), under a lock that died with its holder."""
     cache = tmp_path / "cache"
-    shutil.copytree(library.parents[1], cache / library.parents[1].name)
+    shutil.copytree(library.parent, cache / library.parents[1].name / library.parent.name, symlinks=True)
     built = cache / library.parents[1].name / library.parent.name
+    other_venv = tmp_path / "other-venv-torch"          # the build began under another venv's torch
+    other_venv.symlink_to((built / "torch").resolve(), target_is_directory=True)
+    (built / "torch").unlink()
+    (built / "torch").symlink_to(other_venv, target_is_directory=True)
     (built / ".kaiten-built").unlink()
     (built / cpu_ops_build.LIBRARY).unlink()
     proc = run_python("from kernels import cpu_ops_build as b; print(b.load_cpu_ops())", ROOT,
@@ -69,6 +73,7 @@ def test_a_build_killed_midway_is_finished_by_the_next_load(library, tmp_path):
     assert proc.stdout.splitlines()[-1] == str(built / cpu_ops_build.LIBRARY)
     assert (built / ".kaiten-built").exists()
     assert "[1/1]" in (built / "build.log").read_text()          # the link alone: no object compiled again
+    assert "site-packages" not in (built / "build.ninja").read_text()   # no venv's path in its commands
 
 
 def kernels_cli(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
