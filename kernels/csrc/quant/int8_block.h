@@ -133,21 +133,16 @@ inline void int8_block(const Tiles& w, const uint8_t* first, const Int8Rows& x, 
 }
 
 // Tiles a call of int8_block takes at once for R rows of x: enough FMA chains to hide their latency
-// (4 for one row of int4 weights, whose groups fill half the registers).
+// (4 for one row of int4 weights; int8 weights' groups fill twice the registers).
 template <typename I, int R>
 constexpr int kSpanTiles = R == 1 && I::kInt4 ? 4 : 2;
-// Weights past this size stream from DRAM, where a call's several tiles are as many weight streams:
-// one tile a call there. SmolLM2's 15-30 MB output layer at one row took 0.78-0.89x the time with
-// them, its 1-3 MB layers from L3 1.07-1.36x (bench/results/quant_linear/README.md#few-rows).
-constexpr int64_t kStreamingBytes = 8 << 20;
 
-// m rows of x against every tile, kRowBlock rows and kSpanTiles tiles a call (the last, short span,
-// or a streaming weight's, a tile a call: the same operations per output).
+// m rows of x against every tile, kRowBlock rows and kSpanTiles tiles a call (the last, short span
+// a tile a call: the same operations per output).
 template <typename I, typename O>
 void int8_spans(const Tiles& w, const Int8Rows& x, int64_t m, O* out) {
   constexpr int T = 4;                        // tiles a task's span; a call takes kSpanTiles of them
   const int64_t grain = std::max<int64_t>(1, std::max<int64_t>(2, 4096 / w.k) / T);
-  const bool streaming = w.tiles * w.tile_bytes > kStreamingBytes;
   at::parallel_for(0, (w.tiles + T - 1) / T, grain, [&](int64_t s0, int64_t s1) {
     float y[T * kRowBlock][kTileRows];
     for (int64_t s = s0; s < s1; ++s) {
@@ -157,8 +152,7 @@ void int8_spans(const Tiles& w, const Int8Rows& x, int64_t m, O* out) {
         with_rows_upto<kRowBlock>(rows, [&](auto R) {
           constexpr int S = kSpanTiles<I, R>;
           int64_t t = 0;
-          if (!streaming)
-            for (; t + S <= n; t += S) int8_block<I, S, R>(w, w.tile(t0 + t), x, r0, y + t * R);
+          for (; t + S <= n; t += S) int8_block<I, S, R>(w, w.tile(t0 + t), x, r0, y + t * R);
           for (; t < n; ++t) int8_block<I, 1, R>(w, w.tile(t0 + t), x, r0, y + t * R);
         });
         for (int64_t t = 0; t < n; ++t)
