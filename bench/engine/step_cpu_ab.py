@@ -8,6 +8,10 @@ alternating --rounds times: the default model (or --model), a decode of 1 reques
 random tokens, then 31 more (a batch of 32); the median of 40 steps each.
 
     .venv/bin/python bench/engine/step_cpu_ab.py --baseline DIR [--model DIR] [--rounds 2] [--out NAME]
+    .venv/bin/python bench/engine/step_cpu_ab.py --region-layers 6,15,30 [--baseline DIR] ...
+
+--region-layers runs this checkout once per value of compiled_forward.REGION_LAYERS (the most
+layers a compiled region holds), the first the baseline where no --baseline is given.
 
 Writes bench/results/step_cpu_ab/<NAME>.{md,json} (default step_cpu_ab).
 """
@@ -31,6 +35,9 @@ RESULTS = results_dir(__file__)
 CHILD = r"""
 import json, statistics, sys, time
 from engine_worker import LLM
+from engine_worker.model import compiled_forward
+if sys.argv[3]:
+    compiled_forward.REGION_LAYERS = int(sys.argv[3])
 from bench.engine.engine_throughput import start_decoding
 
 def measure(llm, steps=40):
@@ -52,9 +59,9 @@ print(json.dumps({"load_s": load, "b1_cpu_ms": b1, "b32_cpu_ms": measure(llm)}))
 """
 
 
-def run(checkout: Path, model: str, context: int) -> dict:
+def run(checkout: Path, model: str, context: int, region_layers: str = "") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(checkout)}
-    out = subprocess.run([sys.executable, "-c", CHILD, model, str(context)], cwd=checkout, env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, model, str(context), region_layers], cwd=checkout, env=env,
                          capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise RuntimeError(f"{checkout}: {out.stderr[-2000:]}")
@@ -63,7 +70,8 @@ def run(checkout: Path, model: str, context: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", type=Path, required=True)
+    ap.add_argument("--baseline", type=Path)
+    ap.add_argument("--region-layers", default="", help="REGION_LAYERS values for this checkout, e.g. 6,15,30")
     ap.add_argument("--model", default="", help="a model folder (default: the default model)")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
@@ -71,13 +79,19 @@ def main() -> int:
     args = ap.parse_args()
     from shared.gguf_convert import ensure_default_model
     model = args.model or str(ensure_default_model())
-    trees = {"baseline": args.baseline.resolve(), "this checkout": ROOT}
+    if not args.baseline and not args.region_layers:
+        ap.error("give --baseline, --region-layers or both")
+    trees = {"baseline": (args.baseline.resolve(), "")} if args.baseline else {}
+    sizes = args.region_layers.split(",") if args.region_layers else [""]
+    for i, size in enumerate(sizes):
+        name = f"this checkout, {size}-layer regions" if size else "this checkout"
+        trees[name] = (ROOT, size)
     meta = {"cpu": cpu_name(), "cpu_id": cpu_id(), "flags": cpu_flags(), "load_before": load_avg(),
             "model": Path(model).name, "context": args.context, "rounds": args.rounds}
     runs: dict = {name: [] for name in trees}
     for r in range(args.rounds):
         for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-            runs[name].append(run(trees[name], model, args.context))
+            runs[name].append(run(*trees[name][:1], model, args.context, trees[name][1]))
             print(name, runs[name][-1], flush=True)
     meta["load_after"] = load_avg()
     rows = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
@@ -86,7 +100,7 @@ def main() -> int:
 
 
 def render(meta: dict, rows: dict) -> str:
-    base = rows["baseline"]
+    base = rows[next(iter(rows))]           # the first: --baseline, else the first --region-layers
     lines = ["# Decode steps' CPU time, this checkout against a baseline\n",
              f"CPU: {meta['cpu']} ({meta['cpu_id']}; {', '.join(meta['flags'])}); load average "
              f"{meta['load_before']} before, {meta['load_after']} after. {meta['model']}, one OpenMP thread, "

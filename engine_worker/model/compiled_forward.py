@@ -162,11 +162,24 @@ def configure_inductor() -> None:
     torch._functorch.config.enable_autograd_cache = True
 
 
-# Consecutive layers compiled as one region. One layer a region compiles fastest, but every
-# compiled call costs Dynamo's and AOTAutograd's wrappers, and a call a layer made a one-stream
-# decode step far costlier than the whole model's graph; 6 is the trade-off measured in
-# bench/results/step_cpu_ab/README.md.
-REGION_LAYERS = 6
+# The most consecutive layers compiled as one region. One layer a region compiles fastest, but
+# every compiled call costs Dynamo's and AOTAutograd's wrappers: on SmolLM2 a one-stream decode step
+# took 1.90x the whole model's graph's time with a call a layer; 15-layer regions took 0.97x the CPU
+# time of 6-layer ones (32 streams 0.99x), for 43 s of cold compilation against 25 s, which the
+# background compilation keeps off the path to ready (bench/results/step_cpu_ab/README.md).
+REGION_LAYERS = 15
+
+
+def region_layers(n: int, signature_of: Callable[[int, int], tuple]) -> int:
+    """Layers a region for a model of n layers: the largest size up to REGION_LAYERS that splits
+    them into equal regions of one structure (signature_of(start, size): the region's
+    graph_signature), so that one graph serves every region; at least a third of REGION_LAYERS
+    (or all n), else REGION_LAYERS with a shorter last region (two graphs)."""
+    least = min(n, max(1, REGION_LAYERS // 3))
+    for size in range(min(REGION_LAYERS, n), least - 1, -1):
+        if n % size == 0 and len({signature_of(i, size) for i in range(0, n, size)}) == 1:
+            return size
+    return min(REGION_LAYERS, n)
 
 
 def _layers(layers, x, ropes, kv_caches, backend, cu_seqlens_q, seqlens_k, block_tables, slot_mapping,
@@ -237,7 +250,7 @@ class CompiledForward:
     """model(input_ids, positions, kv_caches, meta, backend) with its decoder layers through
     torch.compile (regional compilation); call warm_up() once at start-up.
 
-    The layers run in regions of REGION_LAYERS consecutive layers; a region's compiled function
+    The layers run in regions of consecutive layers (region_layers); a region's compiled function
     is traced and built once for every region of one structure (graph_signature), not once for
     the whole model: the compile time does not grow with the layers beyond a region's. The
     embedding, the rotary cos/sin and the final norm run eagerly.
@@ -262,8 +275,10 @@ class CompiledForward:
             torch._dynamo.decorators.mark_unbacked(k_cache, 0, shape_id="kv_blocks")
             torch._dynamo.decorators.mark_unbacked(v_cache, 0, shape_id="kv_blocks")
         n = len(model.layers)
-        self.regions = [(torch.nn.ModuleList(model.layers[i:i + REGION_LAYERS]), kv_caches[i:i + REGION_LAYERS])
-                        for i in range(0, n, REGION_LAYERS)]
+        size = region_layers(n, lambda i, size: graph_signature(
+            (torch.nn.ModuleList(model.layers[i:i + size]), model.ropes), kv_caches[i:i + size], self.ops, False))
+        self.regions = [(torch.nn.ModuleList(model.layers[i:i + size]), kv_caches[i:i + size])
+                        for i in range(0, n, size)]
         self._fns: dict[bool, tuple[Callable, ...]] = {}    # each region's, by "the step has adapter tokens"
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
@@ -327,6 +342,6 @@ class CompiledForward:
         seconds = time.perf_counter() - start
         graphs = len(set(self._fns[lora]))
         log.info("compiled the model in %.1f s: %d graph%s for %d regions of up to %d layers (Inductor cache: %s)",
-                 seconds, graphs, "" if graphs == 1 else "s", len(self.regions), REGION_LAYERS,
+                 seconds, graphs, "" if graphs == 1 else "s", len(self.regions), len(self.regions[0][0]),
                  os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds
