@@ -106,6 +106,17 @@ class Stack:
         pin = ["taskset", "-c", cpus] if cpus else []
         self.engines[engine_id] = self._spawn(engine_id, [*pin, sys.executable, *head, *flags])
 
+    def start_two_engines(self, ready_timeout: float):
+        """Redis, engines eng-a and eng-b and the gateway, once the gateway sees both; returns a
+        client of that Redis."""
+        import redis
+        self.start_redis()
+        for e in ("eng-a", "eng-b"):
+            self.start_engine(e)
+        self.start_gateway()
+        self.wait_ready(2, ready_timeout)
+        return redis.Redis.from_url(self.redis_url)
+
     def start_gateway(self) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -575,13 +586,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_rounds(stack: Stack, args) -> tuple[list[dict], list[list[int]], list[list[int]]]:
     """Round 1 (SIGKILL) and round 2 (SIGTERM, after a replacement joined); returns the round
     summaries, every prompt and every stream's tokens, in order."""
-    import redis
-    stack.start_redis()
-    r = redis.Redis.from_url(stack.redis_url)
-    for e in ("eng-a", "eng-b"):
-        stack.start_engine(e)
-    stack.start_gateway()
-    stack.wait_ready(2, args.ready_timeout)
+    r = stack.start_two_engines(args.ready_timeout)
     tap = ReplyTap(stack.redis_url)
     rounds, all_prompts, all_tokens = [], [], []
     try:

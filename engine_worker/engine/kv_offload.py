@@ -8,7 +8,9 @@ chunks into its blocks at admission, and which full chunks to write after a step
   hits are copied into the blocks just allocated, and count as computed.
 - ``save_full_chunks`` (after each step, before finished sequences free their blocks): every
   chunk that became full and computed -- of prompts and of running sequences, so a continuation
-  or a preempted sequence finds them -- unless this engine knows it is stored.
+  or a preempted sequence finds them -- unless this engine knows it is stored. A chunk dropped
+  because the write queue was full is tried again after the next step, and ``swap_out`` tries
+  once more when its sequence is preempted, before its blocks are freed.
 - The choice is measured: a load is asked for unless the measured load time per token exceeds
   the measured prefill time per token (every PROBE_EVERY-th candidate is loaded anyway, to keep
   the load's figure current).
@@ -130,21 +132,31 @@ class KVOffload:
 
     # ---- writing -------------------------------------------------------------------------
     def save_full_chunks(self, seqs: list[Sequence]) -> None:
-        C, bs = self.layout.chunk_blocks, self.layout.block_size
         for seq in seqs:
-            full = min(len(seq.block_hashes), seq.num_computed_tokens // bs) // C
-            for i in range(seq.num_stored_chunks, full):
-                hashes = tuple(seq.block_hashes[i * C:(i + 1) * C])
-                if hashes[-1] in self.known:
-                    continue
+            self._save(seq)
+
+    def swap_out(self, seq: Sequence) -> None:
+        """`seq` is preempted and its blocks are about to be freed: write its full chunks not
+        written yet (those dropped while the queue was full), so its swap-in finds them."""
+        self._save(seq)
+
+    def _save(self, seq: Sequence) -> None:
+        """Queue the sequence's full computed chunks from its first one not queued yet; a chunk
+        that finds the queue full is dropped and counted, and retried after the next step."""
+        C, bs = self.layout.chunk_blocks, self.layout.block_size
+        full = min(len(seq.block_hashes), seq.num_computed_tokens // bs) // C
+        for i in range(seq.num_stored_chunks, full):
+            hashes = tuple(seq.block_hashes[i * C:(i + 1) * C])
+            if hashes[-1] not in self.known:
+                ref = ChunkRef(hashes, tuple(seq.token_ids[i * C * bs:(i + 1) * C * bs]))
                 if not self.connector.has_room():
                     self.stats.dropped_writes += 1
-                    continue
-                ref = ChunkRef(hashes, tuple(seq.token_ids[i * C * bs:(i + 1) * C * bs]))
+                    return
                 payload = self._gather(seq.block_table[i * C:(i + 1) * C])
-                if self.connector.save(SaveChunk(self.adapter_id(seq.lora_name), ref, payload)):
-                    self._remember(ref)
-            seq.num_stored_chunks = max(seq.num_stored_chunks, full)
+                if not self.connector.save(SaveChunk(self.adapter_id(seq.lora_name), ref, payload)):
+                    return                                   # counted by the connector
+                self._remember(ref)
+            seq.num_stored_chunks = i + 1
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         out = torch.empty((len(block_ids), *self.layout.block_shape()), dtype=self.dtype)

@@ -120,6 +120,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._stop_running(seq)
+        if self.kv_loads is not None:
+            self.kv_loads.swap_out(seq)        # while its blocks still hold its KV
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.spec_token_ids = []

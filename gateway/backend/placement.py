@@ -16,7 +16,8 @@ SGLang's router:
   times: the least loaded engine's own stream.
 - ``store_spill``: the engines share a KV store (their heartbeats say ``kv_store``), the prompt's
   blocks the best engine holds are held by the least loaded one or by the store (a block in a
-  store-sharing engine's published list was computed, so written), and the best engine is busier by more than
+  store-sharing engine's published list, or of a request that finished there, was computed, so
+  written), and the best engine is busier by more than
   ``store_balance_threshold`` requests: the least loaded engine's own stream. There the prefix
   costs a load, not a prefill, so placement spreads load instead of piling it on one cache.
 - ``prefix_hit``: else the best engine's own stream.
@@ -60,26 +61,31 @@ class _Sent:
     """What this gateway knows of one engine that its block list and heartbeat may not show yet:
     the requests it routed there, and the blocks those (and finished requests) left in its cache."""
     requests: deque = field(default_factory=deque)           # time.monotonic() of each routed request
-    batches: deque = field(default_factory=deque)            # (time.monotonic(), block hashes)
+    batches: deque = field(default_factory=deque)            # (time.monotonic(), block hashes, routed)
     hashes: dict[int, float] = field(default_factory=dict)   # block hash -> when last learned
+    computed: dict[int, float] = field(default_factory=dict) # those of finished requests: computed there
 
     def add(self, t: float, hashes: list[int], routed: bool) -> None:
         if routed:
             self.requests.append(t)
         if len(self.hashes) + len(hashes) > MAX_SENT_HASHES:
             return
-        self.batches.append((t, hashes))
+        self.batches.append((t, hashes, routed))
         for h in hashes:
             self.hashes[h] = t
+            if not routed:
+                self.computed[h] = t
 
     def forget_before(self, t: float) -> None:
         while self.requests and self.requests[0] < t:
             self.requests.popleft()
         while self.batches and self.batches[0][0] < t:
-            _, hashes = self.batches.popleft()
+            _, hashes, _ = self.batches.popleft()
             for h in hashes:
                 if self.hashes.get(h, t) < t:
                     del self.hashes[h]
+                if self.computed.get(h, t) < t:
+                    del self.computed[h]
 
 
 class Placer:
@@ -122,17 +128,20 @@ class Placer:
             return self._send(least, hashes, now, "store_spill", hits[least.engine_id])
         return self._send(best, hashes, now, "prefix_hit", best_hit)
 
-    @staticmethod
-    def _in_store(engine: EngineInfo, engines: list[EngineInfo], hits: dict[str, int], hashes: list[int]) -> int:
-        """Leading blocks `engine` has or can load: its own, or those a store-sharing engine's
-        published list holds (computed, so written). Blocks only sent to an engine are not in the
-        store yet: a burst on a new prefix waits for the one engine computing it."""
+    def _in_store(self, engine: EngineInfo, engines: list[EngineInfo], hits: dict[str, int], hashes: list[int]) -> int:
+        """Leading blocks `engine` has or can load: its own, or those a store-sharing engine
+        computed, so wrote: in its published list, or of a request that finished there since (a
+        chat's history, before the next block list says so). Blocks only sent to an engine are not
+        in the store yet: a burst on a new prefix waits for the one engine computing it."""
         if not engine.get("kv_store"):
             return hits[engine.engine_id]
         stored = 0
         for e in engines:
             if e.get("kv_store"):
-                stored = max(stored, next((i for i, h in enumerate(hashes) if h not in e.blocks), len(hashes)))
+                sent = self._sent.get(e.engine_id)
+                computed = sent.computed if sent is not None else {}
+                stored = max(stored, next((i for i, h in enumerate(hashes) if h not in e.blocks and h not in computed),
+                                          len(hashes)))
         return max(hits[engine.engine_id], stored)
 
     def _unrouted(self, engines: list[EngineInfo], shared_stream: str, lora_name: str, now: float, reason: str,

@@ -160,6 +160,21 @@ def test_engines_sharing_a_kv_store_spread_a_hot_prefix_at_a_small_imbalance():
     assert (d.engine_id, d.reason) == ("a", "prefix_hit")
 
 
+def test_a_chats_next_turn_spills_on_the_history_its_engine_computed_before_publishing_it():
+    """The first turn finished on a busy engine that has not published its blocks yet: with a
+    store its history was computed, so written, and the next turn goes to the least loaded
+    engine to load it; without one it follows its history."""
+    first = turn(0, 1) + [9] * 16                     # the prompt and its answer
+    for store, want in ((True, ("b", "store_spill")), (False, ("a", "prefix_hit"))):
+        mon = monitor_with(("a", [], 3), ("b", [], 0))
+        for e in mon.engines.values():
+            e.heartbeat["kv_store"] = store
+        placer = Placer(mon)
+        placer.learned("a", first)
+        d = place(placer, first + [7] * 20)
+        assert (d.engine_id, d.reason) == want
+
+
 def test_a_burst_on_a_new_prefix_goes_to_the_one_store_engine_computing_it():
     """No engine holds it and none has written it: the first request goes to the least loaded
     engine's own stream, and those sharing its prefix follow it there (blocks only sent to an

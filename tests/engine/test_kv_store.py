@@ -13,6 +13,7 @@ import redis
 from engine_worker.engine.llm_engine import LLMEngine
 from engine_worker.engine.sampling_params import SamplingParams
 from engine_worker.kv_store.redis_store import RedisKVStore
+from shared.block_hash import prefix_block_hashes
 from tests.support.engine_support import engine_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,11 +27,12 @@ def prompts(n: int = 3, shared: int = 200, own: int = 30, seed: int = 0) -> list
     return [prefix + [rng.randrange(3, 384) for _ in range(own + 7 * i)] for i in range(n)]
 
 
-def make_engine(model_dir, url: str | None, **kw) -> LLMEngine:
+def make_engine(model_dir, url: str | None, queue_chunks: int = 64, **kw) -> LLMEngine:
     kw.setdefault("attention_backend", os.environ.get("KAITEN_TEST_KV_BACKEND", "auto"))
     engine = LLMEngine(engine_config(model_dir, kv_store_chunk_tokens=CHUNK_TOKENS, **kw))
     if url:
-        engine.attach_kv_connector(RedisKVStore(url, engine.kv_layout(), timeout_s=1.0), engine.kv_layout())
+        store = RedisKVStore(url, engine.kv_layout(), queue_chunks=queue_chunks, timeout_s=1.0)
+        engine.attach_kv_connector(store, engine.kv_layout())
     return engine
 
 
@@ -178,6 +180,36 @@ def test_a_preempted_sequence_swapped_through_the_store_equals_an_unswapped_run(
         assert st.num_preemptions > 0 and st.kv_store_loaded_tokens > 0
     finally:
         close(small)
+
+
+def test_writes_dropped_while_the_queue_is_full_are_made_later(tiny_model_dir, redis_url, reference):
+    """The store stalls (writes paused) with a write queue of one chunk: chunks that find it full
+    are dropped and counted; once it answers again they are written after a later step, so the
+    store ends with every full chunk the engine computed."""
+    r = redis.Redis.from_url(redis_url)
+    a = make_engine(tiny_model_dir, redis_url, queue_chunks=1)
+    batch = prompts()
+    for i, p in enumerate(batch):
+        a.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
+    r.execute_command("CLIENT", "PAUSE", "10000", "WRITE")
+    try:
+        while a.has_unfinished():
+            for o in a.step():
+                out[o.request_id] += o.new_token_ids
+            if a.stats().kv_store_dropped_writes > 0:
+                r.execute_command("CLIENT", "UNPAUSE")
+        close(a)
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+        close(a)
+    assert out == reference and a.stats().kv_store_dropped_writes > 0
+    bs, per_chunk = a.block_manager.block_size, CHUNK_TOKENS // a.block_manager.block_size
+    want = set()
+    for p, tokens in zip(batch, out.values()):
+        hashes = prefix_block_hashes(p + tokens[:-1], bs)      # the last token sampled is never computed
+        want |= {hashes[i - 1] for i in range(per_chunk, len(hashes) + 1, per_chunk)}
+    assert {int(k.rsplit(b":", 1)[1], 16) for k in r.keys("kaiten:kv:*")} == want
 
 
 def test_an_adapter_changed_under_its_name_gets_another_store_name(tmp_path):
