@@ -11,6 +11,10 @@ reported, by default through the int8 method (int8 activations in every row, the
 --also times more revisions in the same rounds (variants kept on a branch, say), each a column and a
 ratio against the base, as the working tree is.
 
+--five-bit times the working tree's kernel on two layouts of the same Q5_0/Q5_1/Q5_K weights
+instead: the int8 tiles they took before ("base") against the 5-bit tiles (engine_worker/model/
+quant_tiles.py), with --formats Q5_0 say; no other revision is built.
+
 --noise F runs a neighbour process busy F of one core in bursts (bench/common/cpu_noise.py) throughout, as
 the gateway, Redis and the client load a served engine's cores: how much a kernel's threads lose
 when one of them is preempted.
@@ -42,19 +46,19 @@ RESULTS = results_dir(__file__)
 METHODS = {"int8": (NEVER, NEVER), "registers": (NEVER, 0), "dense": (0, 0)}
 
 
-def interleaved(ops: dict, layers: list[QuantLinear], x: torch.Tensor, method: str, rounds: int) -> dict[str, float]:
-    """Median seconds of one pass over the layers, per op; the ops alternate, in reversed order
-    every other round."""
+def interleaved(runs: dict, x: torch.Tensor, method: str, rounds: int, clock=time.perf_counter) -> dict[str, float]:
+    """Median seconds of one pass over the layers, per (op, layers) of `runs`; they alternate, in
+    reversed order every other round."""
     args = METHODS[method]
-    times = {name: [] for name in ops}
+    times = {name: [] for name in runs}
     for r in range(rounds + 1):
-        order = list(ops.items()) if r % 2 else list(reversed(ops.items()))
-        for name, op in order:
-            t0 = time.perf_counter()
+        order = list(runs.items()) if r % 2 else list(reversed(runs.items()))
+        for name, (op, layers) in order:
+            t0 = clock()
             for q in layers:
                 op(x, q.tiles, *q.op_args, *args)
             if r:                                       # round 0 warms up
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -71,18 +75,29 @@ def main() -> int:
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--noise", type=float, default=0.0, help="a neighbour busy this fraction of one core")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="the calling thread's CPU time, not wall time (one thread: a loaded machine's preemptions left out)")
+    ap.add_argument("--five-bit", action="store_true", help="the int8 tiles against the 5-bit ones, no revisions")
     ap.add_argument("--out", default="kernel_ab")
     args = ap.parse_args()
     load_cpu_ops()
+    if args.cpu_time and args.threads != "1":
+        ap.error("--cpu-time times the calling thread: --threads 1 only")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     also = [rev for rev in args.also.split(",") if rev]
-    ops = {"base": base_ops(args.base, "quant_linear_cpu.cpp").quant_linear}
-    ops.update({rev: base_ops(rev, "quant_linear_cpu.cpp", f"_also{i}").quant_linear for i, rev in enumerate(also)})
-    ops["working tree"] = torch.ops.kaiten_cpu.quant_linear
+    if args.five_bit:
+        ops = {"base": torch.ops.kaiten_cpu.quant_linear, "working tree": torch.ops.kaiten_cpu.quant_linear}
+        title = "5-bit tiles against the int8 tiles (base), both the working tree's kernel"
+    else:
+        ops = {"base": base_ops(args.base, "quant_linear_cpu.cpp").quant_linear}
+        ops.update({rev: base_ops(rev, "quant_linear_cpu.cpp", f"_also{i}").quant_linear for i, rev in enumerate(also)})
+        ops["working tree"] = torch.ops.kaiten_cpu.quant_linear
+        title = f"the working tree{''.join(f', {rev}' for rev in also)} against {args.base}"
     others = [name for name in ops if name != "base"]
-    lines = [f"# quant_linear: the working tree{''.join(f', {rev}' for rev in also)} against {args.base}, in one process\n",
+    lines = [f"# quant_linear: {title}, in one process\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), extension ISA {cpu_capability()[0]}, torch "
              f"{torch.__version__}, load before {load_avg()}. Method: {args.method}; fp32 x; {args.copies} copies of "
-             f"each shape; median of {args.rounds} interleaved rounds; a neighbour process busy {args.noise:.0%} of a "
+             f"each shape; median of {args.rounds} interleaved rounds of {'thread CPU' if args.cpu_time else 'wall'} time; a neighbour process busy {args.noise:.0%} of a "
              "core. GMAC/s; ratio: each against the base.\n",
              "| threads | format | shape | rows | base GMAC/s | " + " | ".join(f"{o} GMAC/s | ratio" for o in others) + " |",
              "|---:|---|---|---:|---:|" + "---:|---:|" * len(others)]
@@ -91,10 +106,13 @@ def main() -> int:
         for fmt in args.formats.split(","):
             for label in args.shapes.split(","):
                 n, k, _ = SHAPES[label]
-                layers = [QuantLinear(quantized(fmt, n, k, seed)) for seed in range(args.copies)]
+                weights = [quantized(fmt, n, k, seed) for seed in range(args.copies)]
+                layers = [QuantLinear(p) for p in weights]
+                base_layers = [QuantLinear(p, five_bit=False) for p in weights] if args.five_bit else layers
+                runs = {name: (op, base_layers if name == "base" else layers) for name, op in ops.items()}
                 for m in (int(r) for r in args.rows.split(",")):
                     with busy_neighbour(args.noise):
-                        t = interleaved(ops, layers, torch.randn(m, k), args.method, args.rounds)
+                        t = interleaved(runs, torch.randn(m, k), args.method, args.rounds, clock)
                     g = {name: args.copies * n * k * m / s / 1e9 for name, s in t.items()}
                     cells = " | ".join(f"{g[o]:.1f} | {g[o] / g['base']:.2f}" for o in others)
                     row = f"| {threads} | {fmt} | {label} | {m} | {g['base']:.1f} | {cells} |"

@@ -11,7 +11,10 @@ machine that has served any model before. Runs alternate between the variants, r
 and the median is reported.
 
     .venv/bin/python bench/weights/gguf_startup.py [--gguf FILE] [--rounds 3] --baseline DIR
-        [--out bench/results/gguf_startup/NAME]
+        [--out bench/results/gguf_startup/NAME] [--resident-only]
+
+--resident-only: no timing, the resident weights alone: the file converted once (into one models
+dir that every run shares), each variant loaded once, eager (no compile warm-up).
 
 Writes --out's .md and .json (default bench/results/gguf_startup/gguf_startup).
 """
@@ -42,7 +45,8 @@ from shared.gguf_convert import ensure_converted_gguf
 model_dir = ensure_converted_gguf(sys.argv[1])
 t1 = time.perf_counter()
 from engine_worker import LLM
-llm = LLM(str(model_dir), kv_cache_memory="64MiB", **({"quantization": sys.argv[2]} if sys.argv[2] != "-" else {}))
+llm = LLM(str(model_dir), kv_cache_memory="64MiB", **({"quantization": sys.argv[2]} if sys.argv[2] != "-" else {}),
+          **({"enforce_eager": True} if sys.argv[3] == "eager" else {}))
 t2 = time.perf_counter()
 model = llm.engine.runner.model
 seen = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
@@ -58,11 +62,13 @@ def gguf_tensor_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
 
 
-def run(checkout: Path, gguf: Path, quantization: str) -> dict:
-    with tempfile.TemporaryDirectory() as models:
-        env = {**os.environ, "KAITEN_MODELS_DIR": models, "PYTHONPATH": str(checkout), "PYTHONDONTWRITEBYTECODE": "1"}
-        out = subprocess.run([sys.executable, "-c", CHILD, str(gguf), quantization], cwd=checkout, env=env,
-                             capture_output=True, text=True, timeout=900)
+def run(checkout: Path, gguf: Path, quantization: str, models: str | None = None) -> dict:
+    """One fresh process's start-up; in `models` (eager) where given, else in a new models dir."""
+    with tempfile.TemporaryDirectory() as fresh:
+        env = {**os.environ, "KAITEN_MODELS_DIR": models or fresh, "PYTHONPATH": str(checkout),
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        out = subprocess.run([sys.executable, "-c", CHILD, str(gguf), quantization, "eager" if models else "compiled"],
+                             cwd=checkout, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise RuntimeError(f"{checkout} {quantization}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -75,6 +81,7 @@ def main() -> int:
     ap.add_argument("--baseline", type=Path, required=True, help="a checkout of the code to compare with")
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_startup")
     ap.add_argument("--quantization", default="auto,none", help="the modes to run, where a checkout has them")
+    ap.add_argument("--resident-only", action="store_true", help="the resident weights alone: one eager load each")
     args = ap.parse_args()
     from bench.weights.perplexity import default_gguf
     gguf = args.gguf or default_gguf()
@@ -84,6 +91,12 @@ def main() -> int:
     meta = {"cpu": cpu_name(), "flags": cpu_flags(), "load_before": load_avg(), "gguf": gguf.name,
             "gguf_tensor_bytes": gguf_tensor_bytes(gguf), "gguf_file_bytes": gguf.stat().st_size,
             "baseline": str(args.baseline), "rounds": args.rounds}
+    if args.resident_only:
+        with tempfile.TemporaryDirectory() as models:
+            rows = {f"{c} / {q}": run(checkouts[c], gguf, q, models) for c, q in variants}
+        meta.update(load_after=load_avg(), rounds=0)
+        write_results(args.out, {"meta": meta, "rows": rows}, render(meta, rows))
+        return 0
     for c, q in variants:                        # warm the extension and Inductor caches
         run(checkouts[c], gguf, q)
     runs = {f"{c} / {q}": [] for c, q in variants}
@@ -108,8 +121,10 @@ def render(meta: dict, rows: dict) -> str:
     base = next(r for name, r in rows.items() if name.startswith("today"))["total_s"]
     lines = ["# Start-up from a new GGUF file and resident weights\n",
              f"CPU: {meta['cpu']} ({', '.join(meta['flags'])}); load average {meta['load_before']} before, "
-             f"{meta['load_after']} after; median of {meta['rounds']} interleaved rounds, each a fresh process "
-             f"with an empty models dir (kernel and Inductor caches warm). {meta['gguf']}: "
+             f"{meta['load_after']} after; " + (f"median of {meta['rounds']} interleaved rounds, each a fresh process "
+             "with an empty models dir (kernel and Inductor caches warm)" if meta["rounds"] else
+             "resident weights only: one eager load a variant, the file converted once (times not comparable)") +
+             f". {meta['gguf']}: "
              f"{meta['gguf_tensor_bytes'] / 1e6:.1f} MB of tensors ({meta['gguf_file_bytes'] / 1e6:.1f} MB file). "
              f"Today: {meta['baseline']}.\n",
              "| checkout / quantization | compute dtype | convert s | load s | start-up s | vs today | "

@@ -28,12 +28,14 @@ NEVER = 1 << 30     # more rows than any call has
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b), W packed (int4 or int8 with group scales and mins) in quant_linear's tiles
+    """y = x W^T (+ b), W packed (int4, 5-bit or int8 with group scales and mins) in quant_linear's tiles
     (quant_tiles.py). CPU only; needs the C++ extension. deterministic (the default): each row's
     output the same whatever else is in the call, every call by one method; else the fastest
-    method for the call's rows (MIN_DENSE_ROWS, INT8_ROWS)."""
+    method for the call's rows (MIN_DENSE_ROWS, INT8_ROWS). five_bit=False: int8 tiles where
+    the values fit the 5-bit ones (the layout before them, for A/B benchmarks and tests)."""
 
-    def __init__(self, packed: PackedWeight, bias_dtype: torch.dtype | None = None, deterministic: bool = True):
+    def __init__(self, packed: PackedWeight, bias_dtype: torch.dtype | None = None, deterministic: bool = True,
+                 five_bit: bool = True):
         super().__init__()
         # As at construction: a compiled graph's constants. Deterministic: one method for every row
         # count, so a row's output does not depend on the other rows of the call (issue #66): int8
@@ -41,7 +43,7 @@ class QuantLinear(nn.Module):
         # the exact fp32 registers), never the dense GEMMs, whose sums are ordered otherwise.
         self.int8_rows = {dt: NEVER for dt in INT8_ROWS} if deterministic else dict(INT8_ROWS)
         self.min_dense_rows = {} if deterministic else dict(MIN_DENSE_ROWS)
-        tiles, self.fmt = to_tiles(packed)
+        tiles, self.fmt = to_tiles(packed, five_bit)
         self.register_buffer("tiles", torch.from_numpy(tiles))
         f = self.fmt
         self.op_args = (f.n, f.k, f.bits, f.group, f.has_mins)     # plain ints for the compiled graph
@@ -51,7 +53,7 @@ class QuantLinear(nn.Module):
 
     @property
     def kind(self) -> str:
-        return "int4" if self.fmt.bits == 4 else "int8"
+        return f"int{self.fmt.bits}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.kaiten_cpu.quant_linear(x, self.tiles, *self.op_args, self.min_dense_rows.get(x.dtype, NEVER),

@@ -3,10 +3,13 @@
 //   scales [G][kTileRows], then mins [G][kTileRows] where the format has them, both fp16 (where
 //   that is exact: Q4_0, Q4_1, Q8_0) or fp32; then the stored integers [G][kTileRows][bytes],
 // for the G groups of a row: int4 groups of 32 in 16 bytes (byte i: element i in the low nibble,
-// i + 16 in the high), int8 groups of 16 or 32 bytes. An element is q * scale + min.
+// i + 16 in the high), int8 groups of 16 or 32 bytes, 5-bit groups of 32 (Q5_0, Q5_1, Q5_K) in 20
+// bytes a row: a tile's 4 rows of nibbles, then their fifth bits (tiles.h, Ints5; values less 16
+// without mins). An element is q * scale + min.
 // A tile is one stream of bytes, read front to back, so a thread's share of W streams from memory
 // as one run, and fp16 scales keep the tensor at the GGUF file's size (20 bytes per 32 int4
-// weights, 34 per 32 int8).
+// weights, 22 per 32 5-bit, 34 per 32 int8). The kernels read 5-bit weights as the int8 ones they
+// were (the same integers, so the same outputs), but for int8_block, which meets them as int4's.
 //
 // Six methods, chosen by the number of rows m of x and x's dtype (min_dense_rows and int8_rows
 // from the caller, measured by bench/kernels/quant_linear.py; int8_rows first where both hold):
@@ -168,7 +171,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n,
                         int64_t group, bool has_mins, int64_t min_dense_rows, int64_t int8_rows) {
   TORCH_CHECK(tiles.dim() == 2 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte,
               "quant_linear: tiles must be a contiguous uint8 matrix");
-  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 16 || group == 32)),
+  TORCH_CHECK(((bits == 4 || bits == 5) && group == 32) || (bits == 8 && (group == 16 || group == 32)),
               "quant_linear: unsupported format: ", bits, "-bit groups of ", group);
   TORCH_CHECK(k > 0 && k % group == 0 && x.size(-1) == k, "quant_linear: x has ", x.size(-1), " features, the weight ", k);
   const int64_t groups = k / group, tile_count = (n + kTileRows - 1) / kTileRows;
@@ -184,6 +187,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n,
   at::Tensor out;
   if (bits == 4)
     out = run<Ints<true, 32>>(w, x2, min_dense_rows, int8_rows);
+  else if (bits == 5 && has_mins)
+    out = run<Ints5<false>>(w, x2, min_dense_rows, int8_rows);
+  else if (bits == 5)
+    out = run<Ints5<true>>(w, x2, min_dense_rows, int8_rows);
   else if (group == 32)
     out = run<Ints<false, 32>>(w, x2, min_dense_rows, int8_rows);
   else
@@ -197,9 +204,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n,
 // (x_levels: 63 or 127), 0 where the build has no int8 method: what the tests' references and the
 // benchmarks read, so that no second copy of the condition exists.
 int64_t int8_x_levels(int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "int8_x_levels: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "int8_x_levels: bits must be 4, 5 or 8, not ", bits);
 #if defined(KAITEN_INT8_ACTIVATIONS)
-  return bits == 4 ? x_levels<Ints<true, 32>>() : x_levels<Ints<false, 32>>();
+  return bits == 4 ? x_levels<Ints<true, 32>>() : bits == 5 ? x_levels<Ints5<true>>() : x_levels<Ints<false, 32>>();
 #else
   return 0;
 #endif

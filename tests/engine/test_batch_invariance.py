@@ -2,7 +2,7 @@
 request's greedy tokens and seeded samples, and the logprobs of both, are the same bit for bit
 alone, in a batch of 32 random others, after a prefix-cache hit, in chunks, after preemption and
 with ngram speculation. Tiny random Llamas in every weight format: dense fp32 and bf16, bf16-stored
-weights computed in fp32 (Bf16Linear), and GGUF Q4_1 and Q8_0 matrices served as stored; the
+weights computed in fp32 (Bf16Linear), and GGUF Q4_1, Q8_0 and Q5_0 (5-bit tiles) matrices served as stored; the
 default model (SmolLM2 Q4_1) in a slow test. Two torch threads, so the attention kernel's split
 decodes and the threads' share of the work vary with the batch."""
 from __future__ import annotations
@@ -26,7 +26,8 @@ VOCAB = 384
 # (weights, --dtype, the model's stored dtype, the GGUF matrices' type or None)
 FORMATS = {"fp32": ("float32", "float32", None), "bf16": ("bfloat16", "float32", None),
            "bf16-stored": ("float32", "bfloat16", None),
-           "Q4_1": ("float32", "float32", "Q4_1"), "Q8_0": ("float32", "float32", "Q8_0")}
+           "Q4_1": ("float32", "float32", "Q4_1"), "Q8_0": ("float32", "float32", "Q8_0"),
+           "Q5_0": ("float32", "float32", "Q5_0")}
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

@@ -80,7 +80,7 @@ def test_a_quantized_file_is_served_as_stored_as_its_dequantized_values(family, 
         mp.setattr(quant_layers, "INT8_ROWS", {})
         engines["exact"] = LLM(str(model), **kw)
     quantized = [m for m in engines["exact"].engine.runner.model.modules() if isinstance(m, QuantLinear)]
-    assert {m.kind for m in quantized} == {"int4", "int8"} and len(quantized) > 4 * family_layers(engines["exact"])
+    assert {m.kind for m in quantized} == {"int4", "int5", "int8"} and len(quantized) > 4 * family_layers(engines["exact"])
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     ps = prompts(exact.engine.vocab_size)
     want = exact.generate(ps, params)

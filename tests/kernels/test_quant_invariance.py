@@ -41,20 +41,20 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(fmt, n, k, dtype):
     assert_rows_invariant(lin, fresh_x(256, k, 3).to(dtype))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K", "Q5_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_activations_are_invariant_too(fmt, dtype, monkeypatch):
     """Without int8 activations (INT8_ROWS empty, as the engine tests that compare with HF run; the
     portable build always) a deterministic layer multiplies every call in the fp32 registers."""
     monkeypatch.setattr(quant_layers, "INT8_ROWS", {})
-    n, k = (23, 256) if fmt == "Q6_K" else (37, 96)
+    n, k = {"Q6_K": (23, 256), "Q5_1": (27, 160)}.get(fmt, (37, 96))
     lin = QuantLinear(packed(fmt, n, k))
     if dtype == torch.bfloat16 and cpu_capability()[0] == "avx512bf16":
         pytest.skip("exact bf16 x takes vdpbf16ps from 3 rows on AVX512-BF16: deterministic needs int8 activations there")
     assert_rows_invariant(lin, fresh_x(256, k, 4).to(dtype))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q5_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 5, 9, 40, 256])
 def test_threads_do_not_change_a_row(fmt, dtype, m):

@@ -1,5 +1,5 @@
 """kaiten_cpu::quant_linear (kernels/csrc/quant_linear_cpu.cpp) against dequantize-then-matmul,
-for every GGUF format (int4 with mins; int8 with and without mins, groups of 16 and 32), its
+for every GGUF format (int4 with mins; 5-bit with and without; int8 with and without mins, groups of 16 and 32), its
 methods (fp32 registers, the panel GEMMs, dequantized chunks into at::mm, int8 activations) and
 odd shapes, on fresh random inputs; and the tiles it reads (engine_worker/model/quant_tiles.py).
 test_other_isa_builds runs them again on the AVX2 and portable builds."""
@@ -262,6 +262,39 @@ def test_tiles_keep_the_files_size_and_lose_nothing(fmt, scale_dtype):
     per_32 = {"Q4_0": 20, "Q4_1": 20, "Q8_0": 34}.get(fmt)   # Q4_0 keeps its -8 d as a min
     if per_32:
         assert lin.tiles.numel() == -(-n // TILE_ROWS) * TILE_ROWS * k // 32 * per_32
+
+
+@pytest.mark.parametrize("fmt,n,k,per_32", [("Q5_0", 29, 96, 22), ("Q5_1", 27, 160, 24), ("Q5_K", 17, 256, 28)])
+def test_five_bit_tiles_hold_what_gguf_dequantizes(fmt, n, k, per_32):
+    """Q5_0, Q5_1 and Q5_K take the 5-bit tiles (20 bytes per 32 weights, plus the scales: fp16
+    for Q5_0 and Q5_1, as the file; fp32 scale and min for Q5_K's products), not int8's 32; their
+    rows dequantize to gguf's values bit for bit, every row and any lookup of rows."""
+    import gguf
+
+    data = gguf_tensor(fmt, n, k)
+    lin = QuantLinear(repack(data, fmt))
+    assert lin.fmt.bits == 5 and lin.kind == "int5"
+    assert lin.tiles.numel() == -(-n // TILE_ROWS) * TILE_ROWS * k // 32 * per_32
+    expected = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[fmt]).reshape(n, k) + 0.0
+    np.testing.assert_array_equal((lin.dequantize().numpy() + 0.0).view(np.uint32), expected.view(np.uint32))
+    ids = torch.tensor([n - 1, 0, 5, n - 1, 2])
+    np.testing.assert_array_equal(lin.dequantize(ids).numpy() + 0.0, expected[ids.numpy()])
+
+
+@pytest.mark.parametrize("fmt,n,k", [("Q5_0", 29, 96), ("Q5_1", 27, 160), ("Q5_K", 17, 256), ("Q5_0", 301, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_five_bit_tiles_compute_what_the_int8_tiles_did(fmt, n, k, dtype):
+    """The 5-bit tiles hold the integers the int8 tiles held, and every method (the exact fp32
+    registers, the dense GEMMs, int8 activations a row at a time and on the panel) gives the same
+    bytes from them, in every build."""
+    p = packed(fmt, n, k)
+    five, int8 = QuantLinear(p), QuantLinear(p, five_bit=False)
+    assert (five.fmt.bits, int8.fmt.bits) == (5, 8)
+    for m in (1, 3, 6, 9, 33, 70):
+        x = fresh_x(m, k, m).to(dtype)
+        for args in ((NEVER, 0), (0, 0), (NEVER, NEVER)):
+            out = torch.ops.kaiten_cpu.quant_linear(x, five.tiles, *five.op_args, *args)
+            assert torch.equal(out, torch.ops.kaiten_cpu.quant_linear(x, int8.tiles, *int8.op_args, *args)), (m, args)
 
 
 def test_bad_arguments_are_errors():

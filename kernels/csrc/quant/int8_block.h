@@ -34,6 +34,22 @@ inline __m128i row_dots(const IVec (&dot)[NZ]) {
   }
 }
 
+// A tile's group of 5-bit rows (qg) as int4's vectors hold them (row i in the i-th quarter of the
+// lanes), their values 0..31: elements 0-15 in lo, 16-31 in hi.
+template <typename I, int NZ>
+inline void five_nibbles(const uint8_t* qg, IVec (&lo)[NZ], IVec (&hi)[NZ]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256i l[2], h[2];
+  I::pair(qg, 0, l[0], h[0]);
+  I::pair(qg, 1, l[1], h[1]);
+  lo[0] = _mm512_inserti64x4(_mm512_castsi256_si512(l[0]), l[1], 1);
+  hi[0] = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
+#else
+  UNROLL
+  for (int j = 0; j < NZ; ++j) I::pair(qg, j, lo[j], hi[j]);
+#endif
+}
+
 // R rows of x (from r0) against a tile, into y[r][i]. Each row's result is the int8 panel GEMM's
 // (int8_panel.h) bit for bit, so a row's output does not depend on which of the two serves the call
 // (issue #66): per group, each weight row's whole integer dot to fp32, times its scale times x's
@@ -42,7 +58,12 @@ inline __m128i row_dots(const IVec (&dot)[NZ]) {
 template <typename I, int R>
 inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, int64_t r0, float (*y)[kTileRows]) {
   constexpr int G = I::kGroup;
-  constexpr int NZ = kTileRows * I::kBytes / sizeof(IVec);   // vectors of a group's 4 rows
+  // 5-bit weights without VNNI met as int4's are, by their unsigned values 0..31 in int4's order
+  // (dot_u4; the signed ones' dots less 16 times x's sums): the same integers as from the int8
+  // rows, a fifth of the instructions (bench/results/five_bit_tiles). With VNNI, as the int8 rows
+  // (w + 128), so that the rows stay the int8 panel's bit for bit.
+  constexpr bool kNibbles = I::kFive && !kVnni;
+  constexpr int NZ = kTileRows * (kNibbles ? 16 : I::kInt8Bytes) / sizeof(IVec);   // vectors of a group's 4 rows
   constexpr bool kBiased = panel_biased<I>();
   const uint8_t* mins = w.has_mins ? tile + w.scale_count() * w.scale_bytes : nullptr;
   const bool with_mins = mins || kBiased;
@@ -54,11 +75,15 @@ inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, i
     const __m128 s4 = load4(tile, w.scale_bytes, g);
     const uint8_t* qg = q + g * kTileRows * I::kBytes;
     prefetch_group<I>(qg);
-    IVec wv[NZ];
-    UNROLL
-    for (int j = 0; j < NZ; ++j) {
-      wv[j] = iload(qg + j * sizeof(IVec));
-      if constexpr (kBiased) wv[j] = flip_sign_bits(wv[j]);
+    IVec wv[NZ], wh[kNibbles ? NZ : 1];   // wh: the 5-bit rows' elements 16-31
+    if constexpr (kNibbles) {
+      five_nibbles<I>(qg, wv, wh);
+    } else {
+      UNROLL
+      for (int j = 0; j < NZ; ++j) {
+        wv[j] = group_vector<I>(qg, j);
+        if constexpr (kBiased) wv[j] = flip_sign_bits(wv[j]);
+      }
     }
     __m128 m4 = mins ? load4(mins, w.scale_bytes, g) : _mm_setzero_ps();
     if constexpr (kBiased) m4 = _mm_sub_ps(m4, _mm_mul_ps(_mm_set1_ps(128.f), s4));
@@ -67,17 +92,20 @@ inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, i
       const int64_t row = r0 + r;
       const int8_t* xg = x.q.data() + row * x.k + g * G;
       IVec dot[NZ];
-      if constexpr (I::kInt4) {
+      if constexpr (I::kInt4 || kNibbles) {
         const IVec x0 = bcast16(xg), x1 = bcast16(xg + 16);     // elements 0-15 (low nibbles), 16-31
         UNROLL
-        for (int j = 0; j < NZ; ++j) dot[j] = dot_u4(low_nibbles(wv[j]), x0, high_nibbles(wv[j]), x1);
+        for (int j = 0; j < NZ; ++j)
+          dot[j] = kNibbles ? dot_u4(wv[j], x0, wh[j], x1) : dot_u4(low_nibbles(wv[j]), x0, high_nibbles(wv[j]), x1);
       } else {
         const IVec xb = G == 32 ? bcast32(xg) : bcast16(xg);
         UNROLL
         for (int j = 0; j < NZ; ++j) dot[j] = dot_s8(wv[j], xb);
       }
       const __m128 dx = _mm_set1_ps(x.d[(row * x.k + g * G) / 32]);
-      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(row_dots(dot)), _mm_mul_ps(s4, dx), acc[r]);
+      __m128i d = row_dots(dot);
+      if constexpr (kNibbles && I::kSignedFive) d = _mm_sub_epi32(d, _mm_set1_epi32(16 * x.isums[(row * x.k + g * G) / 32]));
+      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(d), _mm_mul_ps(s4, dx), acc[r]);
       if (with_mins) acc[r] = _mm_fmadd_ps(m4, _mm_set1_ps(x.sums[row * x.groups + g]), acc[r]);
     }
   }

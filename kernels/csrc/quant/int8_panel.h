@@ -145,9 +145,19 @@ struct Int8Panel {
                                               (panel_biased<I>() ? 128.f * scale : 0.f);
         }
         const uint8_t* q = real ? w.ints(tile) + g * kTileRows * I::kBytes : nullptr;
+        alignas(32) uint8_t widened[kTileRows * 32];
+        if constexpr (I::kFive) {    // the 5-bit rows as the int8 tiles' bytes
+          for (int j = 0; q && j < kTileRows / 2; ++j) {
+            __m256i a, b;
+            I::pair_int8s(q, j, a, b);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(widened + 64 * j), a);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(widened + 64 * j + 32), b);
+          }
+          if (q) q = widened;
+        }
         if constexpr (kCorr) {
           int32_t* start = reinterpret_cast<int32_t*>(panel + g * gs + start_offset(mins));
-          for (int i = 0; i < kTileRows; ++i) start[tt * kTileRows + i] = q ? -64 * group_sum<G>(q + i * I::kBytes) : 0;
+          for (int i = 0; i < kTileRows; ++i) start[tt * kTileRows + i] = q ? -64 * group_sum<G>(q + i * I::kInt8Bytes) : 0;
         }
         uint8_t* ints = panel + g * gs + head_size(mins) + tt * kTileRows * 4;
         if constexpr (G == 32)
@@ -156,7 +166,7 @@ struct Int8Panel {
           for (int qd = 0; qd < G / 4; ++qd)
             for (int i = 0; i < kTileRows; ++i)
               for (int b = 0; b < 4; ++b)
-                ints[qd * kQuadBytes + i * 4 + b] = real ? panel_byte(q[i * I::kBytes + 4 * qd + b]) : panel_byte(0);
+                ints[qd * kQuadBytes + i * 4 + b] = real ? panel_byte(q[i * I::kInt8Bytes + 4 * qd + b]) : panel_byte(0);
       }
     }
   }

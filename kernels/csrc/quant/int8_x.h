@@ -2,6 +2,7 @@
 // integer vector operations that multiply it.
 #pragma once
 
+#include <numeric>
 #include <vector>
 
 #include "tiles.h"
@@ -31,6 +32,7 @@ struct Int8Rows {
   std::vector<int8_t> q;      // [m][k]
   std::vector<float> d;       // [m][k / 32]: x ~ q * d
   std::vector<float> sums;    // [m][groups]: sums of the rounded x over the weight's groups (panel_mins)
+  std::vector<int32_t> isums; // [m][k / 32]: the integers' sums, for the signed 5-bit weights (Ints5<true>)
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -72,8 +74,25 @@ constexpr bool panel_biased() { return kVnni && !I::kInt4; }
 template <typename I>
 bool panel_mins(const Tiles& w) { return w.has_mins || panel_biased<I>(); }
 
+// Vector j of a tile's group's 4 rows of integers (qg) as the int8 kernels read them: the stored
+// bytes, or the 5-bit layout's rows as the int8 tiles' bytes (one row a vector with AVX2, two with AVX-512).
+template <typename I>
+inline IVec group_vector(const uint8_t* qg, int j) {
+  if constexpr (I::kFive) {
+#if defined(CPU_CAPABILITY_AVX512)
+    __m256i a, b;
+    I::pair_int8s(qg, j, a, b);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+#else
+    return I::row_int8s(qg, j);
+#endif
+  } else {
+    return iload(qg + j * sizeof(IVec));
+  }
+}
+
 // Each int32 lane's dot of unsigned bytes u0 with signed s0 and u1 with s1 (4 each), where every
-// product of u and s is at most 15 * 127 (int4 weights against x).
+// product of u and s is at most 31 * 127 (int4 and 5-bit weights against x: 4 such products fit int16).
 inline IVec dot_u4(IVec u0, IVec s0, IVec u1, IVec s1) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, s0), u1, s1);
@@ -159,6 +178,11 @@ Int8Rows quantize_rows(const Tiles& w, const float* x, int64_t m) {
              std::vector<float>(panel_mins<I>(w) ? m * w.groups : 0)};
   round_blocks(x, m * w.k / 32, x_levels<I>(), r.q.data(), r.d.data());
   scaled_group_sums<I::kGroup>(r.q.data(), r.d.data(), static_cast<int64_t>(r.sums.size()), r.sums.data());
+  if constexpr (I::kSignedFive) {
+    r.isums.resize(m * w.k / 32);
+    for (int64_t b = 0; b < m * w.k / 32; ++b)
+      r.isums[b] = std::accumulate(r.q.begin() + 32 * b, r.q.begin() + 32 * (b + 1), int32_t{0});
+  }
   return r;
 }
 #endif

@@ -71,7 +71,7 @@ inline void scaled_block(const Tiles& w, const uint8_t* q, const TileScales& s, 
     UNROLL
     for (int i = 0; i < NR; ++i) {
       Vec qv[I::kVecs];
-      I::load(qg + (i0 + i) * I::kBytes, qv);
+      I::load_row(qg, i0 + i, qv);
       const Vec scale(sg[i0 + i]);
       UNROLL
       for (int r = 0; r < R; ++r) {

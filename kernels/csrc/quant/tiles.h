@@ -7,6 +7,7 @@
 #include "../aten_ops.h"
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 
@@ -115,6 +116,12 @@ struct Ints {
   static constexpr int kGroup = G;
   static constexpr int kVecs = G / VL;
   static constexpr int kBytes = kInt4 ? G / 2 : G;
+  static constexpr bool kFive = false;
+  static constexpr bool kSignedFive = false;
+  static constexpr int kInt8Bytes = kBytes;   // bytes of a row's group as the int8 kernels read them
+
+  // Row i of a tile's group (qg) as kVecs fp32 vectors, in input order.
+  static inline void load_row(const uint8_t* qg, int i, Vec* out) { load(qg + i * kBytes, out); }
 
   static inline void load(const uint8_t* p, Vec* out) {
     if constexpr (kInt4) {
@@ -123,6 +130,88 @@ struct Ints {
       UNROLL
       for (int j = 0; j < kVecs; ++j) out[j] = unpack_int8(reinterpret_cast<const int8_t*>(p) + j * VL);
     }
+  }
+};
+
+// The 5-bit layout (Q5_0, Q5_1, Q5_K; quant_tiles.py): a tile's group of 32 in 80 bytes (20 a row):
+// the 4 rows' low nibbles as int4 stores them (16 bytes a row; byte i: element i low, i + 16 high),
+// then the fifth bits, 8 bytes a pair of rows (0-1, 2-3) laid out for two 64-bit shifts: with the
+// pair's 32 nibble bytes as one AVX2 vector, its low nibbles (elements 0-15 of both rows) and high
+// nibbles (16-31) each take their fifth bits from the pair's 8 bytes broadcast to 4 qwords, qword Q
+// shifted right by Q (low nibbles: byte k's bits 4-7 hold qword Q's byte k at bit 4 + Q) or left by
+// 4 - Q (high nibbles: bits 0-3), then masked to bit 4. kSigned (no mins, Q5_0): the value is the
+// 5 bits less 16, so the kernels see the integers the int8 tiles held and compute the same bytes.
+template <bool kSigned>
+struct Ints5 {
+  static constexpr bool kInt4 = false;
+  static constexpr bool kFive = true;
+  static constexpr bool kSignedFive = kSigned;
+  static constexpr int kGroup = 32;
+  static constexpr int kVecs = 32 / VL;
+  static constexpr int kBytes = 20;           // a row's share of a tile's group
+  static constexpr int kInt8Bytes = 32;
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  // Rows 2j and 2j + 1 of a tile's group (qg) as 5-bit values 0..31 in int4's order: lo holds
+  // elements 0-15 of both rows, hi elements 16-31.
+  static inline void pair(const uint8_t* qg, int j, __m256i& lo, __m256i& hi) {
+    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + 32 * j)), lo4 = _mm256_set1_epi8(0x0F);
+    int64_t bits;
+    std::memcpy(&bits, qg + 64 + 8 * j, 8);
+    const __m256i v = _mm256_set1_epi64x(bits), bit4 = _mm256_set1_epi8(0x10);
+    lo = _mm256_or_si256(_mm256_and_si256(nib, lo4), _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 1, 2, 3)), bit4));
+    hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib, 4), lo4),
+                         _mm256_and_si256(_mm256_sllv_epi64(v, _mm256_setr_epi64x(4, 3, 2, 1)), bit4));
+  }
+
+  // Rows 2j and 2j + 1 as int8 values in input order (the int8 tiles' bytes).
+  static inline void pair_int8s(const uint8_t* qg, int j, __m256i& a, __m256i& b) {
+    __m256i lo, hi;
+    pair(qg, j, lo, hi);
+    a = _mm256_permute2x128_si256(lo, hi, 0x20);
+    b = _mm256_permute2x128_si256(lo, hi, 0x31);
+    if constexpr (kSigned) {
+      a = _mm256_sub_epi8(a, _mm256_set1_epi8(16));
+      b = _mm256_sub_epi8(b, _mm256_set1_epi8(16));
+    }
+  }
+
+  static inline __m256i row_int8s(const uint8_t* qg, int i) {
+    __m256i a, b;
+    pair_int8s(qg, i / 2, a, b);
+    return i % 2 ? b : a;
+  }
+#endif
+
+  // Row i of a tile's group as int8 values in input order, by plain code (the portable build).
+  static inline void row_int8s(const uint8_t* qg, int i, int8_t* out) {
+    const uint8_t* v = qg + 64 + 8 * (i / 2);
+    for (int e = 0; e < 32; ++e) {
+      const int nibble = (qg[16 * i + e % 16] >> (e < 16 ? 0 : 4)) & 0x0F;
+      const int q = 2 * (i % 2) + (e % 16) / 8, k = e % 8;       // the qword and byte e lands in
+      const int high = (v[k] >> (e < 16 ? 4 + q : q)) & 1;
+      out[e] = static_cast<int8_t>((nibble | (high << 4)) - (kSigned ? 16 : 0));
+    }
+  }
+
+  // Row i of a tile's group (qg) as kVecs fp32 vectors, in input order.
+  static inline void load_row(const uint8_t* qg, int i, Vec* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i q = row_int8s(qg, i);
+    out[0] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+    out[1] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256i q = row_int8s(qg, i);
+    const __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    UNROLL
+    for (int j = 0; j < 4; ++j)
+      out[j] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(j % 2 ? _mm_srli_si128(h[j / 2], 8) : h[j / 2])));
+#else
+    int8_t q[32];
+    row_int8s(qg, i, q);
+    UNROLL
+    for (int j = 0; j < kVecs; ++j) out[j] = unpack_int8(q + j * VL);
+#endif
   }
 };
 
@@ -145,7 +234,7 @@ inline void prefetch_group(const uint8_t* qg) {
 template <typename I>
 inline void dequantize_group(const uint8_t* q, const TileScales& s, int64_t g, int lane, Vec* out) {
   const int64_t at = g * kTileRows + lane;
-  I::load(q + at * I::kBytes, out);
+  I::load_row(q + g * kTileRows * I::kBytes, lane, out);
   const Vec scale(s.scales[at]), min(s.mins ? s.mins[at] : 0.f);
   UNROLL
   for (int j = 0; j < I::kVecs; ++j) out[j] = at::vec::fmadd(out[j], scale, min);
