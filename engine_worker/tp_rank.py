@@ -11,7 +11,7 @@ import signal
 import sys
 
 from engine_worker.model.tensor_parallel import TPRank
-from engine_worker.model.tp_comm import Region, ShmComm, StepChannel
+from engine_worker.model.tp_comm import Call, Region, ShmComm, StepChannel
 from engine_worker.model.tp_ranks import EXIT_RANK_DIED, pin
 from shared.config import EngineConfig
 
@@ -28,7 +28,8 @@ def _die_with_parent(parent: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine_worker.tp_rank",
                                 description="A tensor-parallel rank; rank 0 (the engine) starts it.")
-    for name in ("rank", "world", "comm-fd", "comm-bytes", "channel-fd", "channel-bytes", "pipe-fd", "parent"):
+    for name in ("rank", "world", "comm-fd", "comm-bytes", "channel-fd", "channel-bytes", "pipe-fd", "ack-fd",
+                 "parent"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--cpus", default="")
@@ -40,10 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     from engine_worker.model.model_runner import ModelRunner
     config = EngineConfig(**json.loads(os.environ["KAITEN_TP_CONFIG"]))
     comm = ShmComm(Region.open(args.comm_fd, args.comm_bytes), args.rank, args.world)
-    channel = StepChannel(Region.open(args.channel_fd, args.channel_bytes), [args.pipe_fd])
+    channel = StepChannel(Region.open(args.channel_fd, args.channel_bytes), [args.pipe_fd], [args.ack_fd])
     runner = ModelRunner(config, args.model_dir, tp_rank=TPRank(args.rank, args.world, comm.handle))
-    while (step := channel.receive()) is not None:
-        runner.forward(step.ids, step.positions, step.meta, None)
+    while (message := channel.receive()) is not None:
+        if isinstance(message, Call):
+            getattr(runner, message.name)(*message.args)
+            channel.acknowledge()
+        else:
+            runner.forward(message.ids, message.positions, message.meta, message.lora)
     return 0
 
 

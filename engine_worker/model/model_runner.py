@@ -17,7 +17,8 @@ from engine_worker.model.checkpoint import stored_in_bf16
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.packed_linear import PackedLinear
 from engine_worker.model.registry import model_class
-from engine_worker.model.tensor_parallel import TPRank, check_splittable, kv_heads_of_rank, shard_model
+from engine_worker.model.tensor_parallel import (TPRank, check_splittable, kv_heads_of_rank, lora_shapes, shard_lora,
+                                                 shard_model)
 from engine_worker.model.lora_layers import LoraBatch, projection_shapes
 from engine_worker.model.tp_ranks import RankGroup
 from kernels.cpu_ops_build import cpu_ops_available
@@ -87,7 +88,7 @@ class ModelRunner:
         if self.tp is not None and config.num_threads <= 0:
             torch.set_num_threads(len(os.sched_getaffinity(0)))     # its own cores (cpu_binding.py)
         self.kv_heads = self.model_config.num_kv_heads if self.tp is None else \
-            kv_heads_of_rank(self.model_config, self.tp.world)
+            kv_heads_of_rank(self.model_config, self.tp)
         with stage(stages, "kernels"):          # "auto" on the CPU builds the C++ kernels on first use
             self.backend = get_attention_backend(config.attention_backend, self.device, config.deterministic)
         self.block_size = getattr(self.backend, "REQUIRED_BLOCK_SIZE", None) or config.block_size
@@ -154,8 +155,6 @@ class ModelRunner:
             raise ValueError(f"{flag} runs on the CPU only (--device cpu); NCCL ranks are not implemented")
         if not cpu_ops_available():
             raise ValueError(f"{flag} needs the C++ CPU ops (its all-reduce is one of them)")
-        if config.lora_modules:
-            raise ValueError(f"{flag} does not support LoRA adapters (--lora-modules) yet")
         if config.kv_store_url:
             raise ValueError(f"{flag} does not support a shared KV store (--kv-store-url) yet")
         check_splittable(self.model_config, config.tensor_parallel_size)
@@ -283,14 +282,26 @@ class ModelRunner:
     def enable_lora(self) -> None:
         """Allocate the adapter slots (max_loras of rank max_lora_rank on every projection: 145 MB
         for SmolLM2 in fp32) at the first adapter, not before: an engine that never serves one
-        keeps that memory. Then compile the forward for steps with adapter tokens, once."""
-        if self.tp is not None:
-            raise ValueError(f"--tensor-parallel-size {self.tp.world} does not support LoRA adapters yet")
+        keeps that memory. Then compile the forward for steps with adapter tokens, once. On every
+        rank of a tensor-parallel engine (the compilation's warm-up step runs their all-reduces)."""
+        if self.model.lora_enabled and (self.compiled is None or self._lora_compiled):
+            return
+        if self.ranks is not None:
+            self.ranks.channel.send_start("enable_lora")
         if not self.model.lora_enabled:
-            self.model.enable_lora(self.max_loras, self.max_lora_rank, self.dtype, self.device)
+            shapes = None if self.tp is None else lora_shapes(self.model)
+            self.model.enable_lora(self.max_loras, self.max_lora_rank, self.dtype, self.device, shapes)
         if self.compiled is not None and not self._lora_compiled:
             self.compiled.warm_up(lora=True)
             self._lora_compiled = True
+        if self.ranks is not None:
+            self.ranks.channel.wait_acks("enable_lora")
+
+    def write_lora(self, slot: int, weights: dict | None) -> None:
+        """Load an adapter's weights into `slot` (CausalLM.write_lora), each rank its share."""
+        if self.ranks is not None:
+            self.ranks.call("write_lora", slot, weights)
+        self.model.write_lora(slot, weights if self.tp is None else shard_lora(self.model, weights))
 
     def _compile(self) -> CompiledForward | None:
         """The compiled CPU forward, or None (eager, with a warning) where Inductor cannot build
@@ -371,7 +382,7 @@ class ModelRunner:
         new tokens, count), in order (None when there are none). `lora_slots`: see prepare."""
         ids, pos, meta, lora = self.prepare(batch, lora_slots)
         if self.ranks is not None:
-            self.ranks.send(ids, pos, meta)
+            self.ranks.send(ids, pos, meta, lora)
         hidden = self.forward(ids, pos, meta, lora)
         if sample_counts is None or all(c == 1 for c in sample_counts):
             last = meta.cu_seqlens_q[1:].long() - 1

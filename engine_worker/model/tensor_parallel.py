@@ -29,6 +29,8 @@ from engine_worker.model.layers.mlp import GatedMLP
 from engine_worker.model.quant_layers import QuantLinear
 from engine_worker.model.quant_tiles import TILE_ROWS
 
+MLP_UNIT = 32       # the intermediate features split in runs of a quantization group
+
 
 @dataclass(frozen=True, slots=True)
 class TPRank:
@@ -50,28 +52,53 @@ class HeadSplit:
 
 
 def head_split(num_heads: int, num_kv_heads: int, rank: int, world: int) -> HeadSplit:
-    q = num_heads // world
+    """Whole KV groups (a KV head and the q heads that read it) a rank, as evenly as they go: the
+    attention kernel maps q head h to KV head h // (q heads / KV heads), so every rank's groups
+    must be of one size. Fewer KV heads than ranks: world / KV heads ranks share each KV head (a
+    copy each) and split its q heads as evenly as they go (SmolLM2's 9 heads in 3 groups over 2
+    ranks: groups 0 and 1 on rank 0, 2 on rank 1)."""
+    group = num_heads // num_kv_heads
     if num_kv_heads >= world:
-        kv = num_kv_heads // world
-        return HeadSplit(rank * q, q, rank * kv, kv)
-    return HeadSplit(rank * q, q, rank * num_kv_heads // world, 1)   # replicated: world / kv ranks a head
+        first, end = rank * num_kv_heads // world, (rank + 1) * num_kv_heads // world
+        return HeadSplit(first * group, (end - first) * group, first, end - first)
+    sharing = world // num_kv_heads
+    kv, part = divmod(rank, sharing)
+    q_first, q_end = kv * group + part * group // sharing, kv * group + (part + 1) * group // sharing
+    return HeadSplit(q_first, q_end - q_first, kv, 1)
+
+
+def mlp_split(width: int, hidden: int, head_dim: int, heads: list[HeadSplit], rank: int) -> tuple[int, int]:
+    """(first, count) of the rank's intermediate features, in whole runs of MLP_UNIT where the
+    width has them (quantized tiles split on groups of 32 inputs). Balanced with the attention:
+    a rank with more heads (`heads`: every rank's) takes fewer features, so every rank holds
+    about the same weights, which a decode step reads once (SmolLM2 over 2 ranks: 864 and 672
+    of 1536, 1.77M weights a layer each, where 768 each would leave rank 1 with 9% more)."""
+    unit = MLP_UNIT if width % MLP_UNIT == 0 else 1
+    attn = [hidden * head_dim * 2 * (h.q_heads + h.kv_heads) for h in heads]
+    share = (sum(attn) + 3 * hidden * width) / len(heads)
+    wants = [max(0.0, share - a) for a in attn]
+    edges, total = [0], 0.0
+    for w in wants:
+        total += w
+        edges.append(round(total / sum(wants) * width / unit) * unit)
+    return edges[rank], edges[rank + 1] - edges[rank]
 
 
 def check_splittable(cfg: ModelConfig, world: int) -> None:
     """ValueError, in one line, where `cfg`'s model cannot be cut into `world` ranks."""
     flag = f"--tensor-parallel-size {world}"
-    if cfg.num_heads % world:
-        raise ValueError(f"{flag}: the model's {cfg.num_heads} attention heads do not split into {world} ranks")
     kv = cfg.num_kv_heads
-    if (kv >= world and kv % world) or (kv < world and world % kv):
-        raise ValueError(f"{flag}: the model's {kv} KV heads neither split into {world} ranks nor replicate "
+    if kv < world and world % kv:
+        raise ValueError(f"{flag}: the model's {kv} KV heads are fewer than the ranks and do not replicate "
                          f"evenly over them")
-    if cfg.intermediate_size % world:
-        raise ValueError(f"{flag}: the model's MLP width {cfg.intermediate_size} does not split into {world} ranks")
+    if kv < world and cfg.num_heads // kv < world // kv:
+        raise ValueError(f"{flag}: the model's {cfg.num_heads} attention heads are fewer than the ranks")
+    if cfg.intermediate_size < world:
+        raise ValueError(f"{flag}: the model's MLP width {cfg.intermediate_size} is less than the ranks")
 
 
-def kv_heads_of_rank(cfg: ModelConfig, world: int) -> int:
-    return head_split(cfg.num_heads, cfg.num_kv_heads, 0, world).kv_heads
+def kv_heads_of_rank(cfg: ModelConfig, tp: TPRank) -> int:
+    return head_split(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.world).kv_heads
 
 
 class ParallelAttention(Attention):
@@ -105,8 +132,10 @@ def shard_model(model: nn.Module, tp: TPRank) -> None:
         for module in (attn, mlp):
             if type(module) not in PARALLEL:
                 raise ValueError(f"tensor parallelism does not know how to split {type(module).__name__}")
+        heads = [head_split(attn.num_heads, attn.num_kv_heads, r, tp.world) for r in range(tp.world)]
+        hidden = attn.o_proj.fmt.n if isinstance(attn.o_proj, QuantLinear) else attn.o_proj.weight.shape[0]
+        _shard_mlp(mlp, mlp_split(_out_features(mlp.gate_up_proj) // 2, hidden, attn.head_dim, heads, tp.rank), tp)
         _shard_attention(attn, tp)
-        _shard_mlp(mlp, tp)
         for module in (attn, mlp):
             module.__class__ = PARALLEL[type(module)]
             module.tp_handle = tp.handle
@@ -119,16 +148,44 @@ def _shard_attention(attn: Attention, tp: TPRank) -> None:
     rows = np.concatenate([q_rows, attn.q_size + kv_rows, attn.q_size + attn.kv_size + kv_rows])
     attn.qkv_proj = take_rows(attn.qkv_proj, rows)
     attn.o_proj = take_columns(attn.o_proj, q_rows[0], len(q_rows), keep_bias=tp.rank == 0)
+    attn.tp_lora_slices = {"qkv": ("rows", torch.from_numpy(rows)), "o": ("columns", int(q_rows[0]), len(q_rows))}
     attn.num_heads, attn.num_kv_heads = s.q_heads, s.kv_heads
     attn.q_size, attn.kv_size = s.q_heads * hd, s.kv_heads * hd
 
 
-def _shard_mlp(mlp: GatedMLP, tp: TPRank) -> None:
+def _shard_mlp(mlp: GatedMLP, split: tuple[int, int], tp: TPRank) -> None:
     width = _out_features(mlp.gate_up_proj) // 2
-    share = width // tp.world
-    cols = np.arange(tp.rank * share, (tp.rank + 1) * share)
-    mlp.gate_up_proj = take_rows(mlp.gate_up_proj, np.concatenate([cols, width + cols]))
-    mlp.down_proj = take_columns(mlp.down_proj, cols[0], share, keep_bias=tp.rank == 0)
+    first, count = split
+    cols = np.arange(first, first + count)
+    rows = np.concatenate([cols, width + cols])
+    mlp.gate_up_proj = take_rows(mlp.gate_up_proj, rows)
+    mlp.down_proj = take_columns(mlp.down_proj, first, count, keep_bias=tp.rank == 0)
+    mlp.tp_lora_slices = {"gate_up": ("rows", torch.from_numpy(rows)), "down": ("columns", first, count)}
+
+
+def lora_shapes(model: nn.Module) -> dict[str, tuple[int, list[int]]]:
+    """lora_layers.projection_shapes of the rank's share: (input features, each part's outputs)."""
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    hidden, share = model.cfg.hidden_size, mlp.tp_lora_slices["down"][2]
+    return {"qkv": (hidden, [attn.q_size, attn.kv_size, attn.kv_size]), "o": (attn.q_size, [hidden]),
+            "gate_up": (hidden, [share, share]), "down": (share, [hidden])}
+
+
+def shard_lora(model: nn.Module, weights: dict | None) -> dict | None:
+    """An adapter's {(layer, projection key): (A, B)} (lora_weights.py) cut as its base layers are:
+    B's columns of a column-parallel projection, A's rows (its inputs) of a row-parallel one."""
+    if weights is None:
+        return None
+    out = {}
+    for (layer, key), (a, b) in weights.items():
+        block = model.layers[layer]
+        owner = block.self_attn if key in block.self_attn.tp_lora_slices else block.mlp
+        how = owner.tp_lora_slices[key]
+        if how[0] == "rows":
+            out[layer, key] = (a, b[:, how[1]].contiguous())
+        else:
+            out[layer, key] = (a[how[1]:how[1] + how[2]].contiguous(), b)
+    return out
 
 
 def _out_features(linear: nn.Module) -> int:

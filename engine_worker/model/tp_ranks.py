@@ -23,6 +23,7 @@ import threading
 import torch
 
 from engine_worker.model.cpu_binding import rank_cpus
+from engine_worker.model.lora_layers import LoraBatch
 from engine_worker.model.tensor_parallel import TPRank
 from engine_worker.model.tp_comm import CHANNEL_BYTES, Region, ShmComm, StepChannel
 from kernels.interface import AttentionMetadata
@@ -48,34 +49,42 @@ class RankGroup:
         self.comm_region = Region.create("kaiten-tp-allreduce", ShmComm.region_bytes(world))
         self.channel_region = Region.create("kaiten-tp-steps", CHANNEL_BYTES)
         self.procs: list[subprocess.Popen] = []
-        writes = []
+        writes, acks = [], []
         self._closing = False
         child_config = json.dumps(dataclasses.asdict(config))
         for rank in range(1, world):
             read_end, write_end = os.pipe()
+            ack_read, ack_write = os.pipe()
             cmd = [sys.executable, "-m", "engine_worker.tp_rank", "--rank", str(rank), "--world", str(world),
                    "--comm-fd", str(self.comm_region.fd), "--comm-bytes", str(self.comm_region.size),
                    "--channel-fd", str(self.channel_region.fd), "--channel-bytes", str(self.channel_region.size),
-                   "--pipe-fd", str(read_end), "--parent", str(os.getpid()), "--model-dir", model_dir,
+                   "--pipe-fd", str(read_end), "--ack-fd", str(ack_write), "--parent", str(os.getpid()), "--model-dir", model_dir,
                    "--cpus", ",".join(map(str, cpus[rank])) if cpus else ""]
             env = dict(os.environ, KAITEN_TP_CONFIG=child_config)
             self.procs.append(subprocess.Popen(cmd, env=env, pass_fds=(self.comm_region.fd, self.channel_region.fd,
-                                                                       read_end)))
+                                                                       read_end, ack_write)))
             os.close(read_end)
+            os.close(ack_write)
             writes.append(write_end)
+            acks.append(ack_read)
+        self._affinity = os.sched_getaffinity(0)      # restored at close (an offline LLM's process goes on)
         pin(cpus[0] if cpus else None)
-        self.cpus = cpus[0] if cpus else None
         self.comm = ShmComm(self.comm_region, 0, world)
         self.tp = TPRank(0, world, self.comm.handle)
-        self.channel = StepChannel(self.channel_region, writes)
+        self.channel = StepChannel(self.channel_region, writes, acks)
         self._watcher = threading.Thread(target=self._watch, name="kaiten-tp-watch", daemon=True)
         self._watcher.start()
         log.info("tensor parallelism: %d ranks (pids %s), cores %s", world,
                  ", ".join([str(os.getpid())] + [str(p.pid) for p in self.procs]),
                  " | ".join(",".join(map(str, c)) for c in cpus) if cpus else "not pinned")
 
-    def send(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        self.channel.send(ids, positions, meta)
+    def send(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+             lora: LoraBatch | None) -> None:
+        self.channel.send(ids, positions, meta, lora)
+
+    def call(self, name: str, *args) -> None:
+        """Every other rank's runner runs `name`(*args) (tp_rank.py); returns once they have."""
+        self.channel.call(name, *args)
 
     def _watch(self) -> None:
         fds = {os.pidfd_open(p.pid): p for p in self.procs}
@@ -110,3 +119,4 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        os.sched_setaffinity(0, self._affinity)
