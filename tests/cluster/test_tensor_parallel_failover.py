@@ -46,7 +46,7 @@ def test_sigkill_of_a_rank_fails_its_streams_over(tiny_model_dir, tmp_path, tp_r
         out: dict = {}
         clients = run_sse_clients(st.srv.url, PROMPTS, out)
         wait_until(lambda: len(st.tap.tokens_so_far()) == 16 and min(st.tap.tokens_so_far().values()) >= 10,
-                   120, 0.01, "16 streams with 10 tokens each")
+                   600, 0.01, "16 streams with 10 tokens each")
         placed = Counter(st.tap.engine_of().values())
         victim = placed.most_common(1)[0][0]
         engine = st.procs[victim]
