@@ -33,13 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--cpus", default="")
+    p.add_argument("--config", required=True, help="the engine's EngineConfig, as JSON")
     args = p.parse_args(argv)
     _die_with_parent(args.parent)
     pin([int(c) for c in args.cpus.split(",")] if args.cpus else None)
     from shared.log_format import setup_logging
     setup_logging(os.environ.get("KAITEN_LOG_LEVEL", "INFO"), os.environ.get("KAITEN_LOG_FORMAT", "text"))
     from engine_worker.model.model_runner import ModelRunner
-    config = EngineConfig(**json.loads(os.environ["KAITEN_TP_CONFIG"]))
+    config = EngineConfig(**json.loads(args.config))
     comm = ShmComm(Region.open(args.comm_fd, args.comm_bytes), args.rank, args.world)
     channel = StepChannel(Region.open(args.channel_fd, args.channel_bytes), [args.pipe_fd], [args.ack_fd])
     runner = ModelRunner(config, args.model_dir, tp_rank=TPRank(args.rank, args.world, comm.handle))

@@ -67,26 +67,20 @@ def head_split(num_heads: int, num_kv_heads: int, rank: int, world: int) -> Head
     return HeadSplit(q_first, q_end - q_first, kv, 1)
 
 
-def mlp_split(width: int, hidden: int, head_dim: int, heads: list[HeadSplit], rank: int,
-              rank0_extra: float = 0.0) -> tuple[int, int]:
+def mlp_split(width: int, hidden: int, head_dim: int, heads: list[HeadSplit], rank: int) -> tuple[int, int]:
     """(first, count) of the rank's intermediate features, in whole runs of MLP_UNIT where the
-    width has them (quantized tiles split on groups of 32 inputs), at least one run a rank.
-    Balanced with the rest of a layer's weights, which a decode step reads once: a rank with more
-    heads (`heads`: every rank's) takes fewer features, and rank 0 fewer by `rank0_extra` weights
-    (its share of the output layer, which it alone multiplies). SmolLM2 over 2 ranks: 576 and 960
-    of 1536 (the output layer's 28.3M weights are 0.94M a layer), where 768 each would leave rank
-    0 with 1.37x rank 1's weights."""
-    world = len(heads)
-    unit = MLP_UNIT if width % MLP_UNIT == 0 and width // MLP_UNIT >= world else 1
-    cost = [hidden * head_dim * 2 * (h.q_heads + h.kv_heads) for h in heads]
-    cost[0] += rank0_extra
-    share = (sum(cost) + 3 * hidden * width) / world
-    wants = [max(0.0, share - c) for c in cost]
-    spare = width // unit - world                  # runs beyond each rank's first
+    width has them (quantized tiles split on groups of 32 inputs). Balanced with the attention:
+    a rank with more heads (`heads`: every rank's) takes fewer features, so every rank holds
+    about the same weights, which a decode step reads once (SmolLM2 over 2 ranks: 864 and 672
+    of 1536, 1.77M weights a layer each, where 768 each would leave rank 1 with 9% more)."""
+    unit = MLP_UNIT if width % MLP_UNIT == 0 else 1
+    attn = [hidden * head_dim * 2 * (h.q_heads + h.kv_heads) for h in heads]
+    share = (sum(attn) + 3 * hidden * width) / len(heads)
+    wants = [max(0.0, share - a) for a in attn]
     edges, total = [0], 0.0
-    for r, w in enumerate(wants):
+    for w in wants:
         total += w
-        edges.append((r + 1 + round(total / (sum(wants) or 1) * spare)) * unit)
+        edges.append(round(total / sum(wants) * width / unit) * unit)
     return edges[rank], edges[rank + 1] - edges[rank]
 
 
@@ -140,9 +134,7 @@ def shard_model(model: nn.Module, tp: TPRank) -> None:
                 raise ValueError(f"tensor parallelism does not know how to split {type(module).__name__}")
         heads = [head_split(attn.num_heads, attn.num_kv_heads, r, tp.world) for r in range(tp.world)]
         hidden = attn.o_proj.fmt.n if isinstance(attn.o_proj, QuantLinear) else attn.o_proj.weight.shape[0]
-        split = mlp_split(_out_features(mlp.gate_up_proj) // 2, hidden, attn.head_dim, heads, tp.rank,
-                          model.cfg.vocab_size * hidden / len(model.layers))
-        _shard_mlp(mlp, split, tp)
+        _shard_mlp(mlp, mlp_split(_out_features(mlp.gate_up_proj) // 2, hidden, attn.head_dim, heads, tp.rank), tp)
         _shard_attention(attn, tp)
         for module in (attn, mlp):
             module.__class__ = PARALLEL[type(module)]
