@@ -58,7 +58,8 @@ class RankGroup:
             cmd = [sys.executable, "-m", "engine_worker.tp_rank", "--rank", str(rank), "--world", str(world),
                    "--comm-fd", str(self.comm_region.fd), "--comm-bytes", str(self.comm_region.size),
                    "--channel-fd", str(self.channel_region.fd), "--channel-bytes", str(self.channel_region.size),
-                   "--pipe-fd", str(read_end), "--ack-fd", str(ack_write), "--parent", str(os.getpid()), "--model-dir", model_dir,
+                   "--pipe-fd", str(read_end), "--ack-fd", str(ack_write), "--parent", str(os.getpid()),
+                   "--model-dir", model_dir,
                    "--cpus", ",".join(map(str, cpus[rank])) if cpus else "", "--config", child_config]
             self.procs.append(subprocess.Popen(cmd, pass_fds=(self.comm_region.fd, self.channel_region.fd,
                                                                        read_end, ack_write)))
