@@ -387,6 +387,9 @@ class EngineWorker:
         self.metrics.close()
         if getattr(self.engine, "kv", None) is not None:
             self.engine.kv.connector.close()
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None:
+            runner.close()          # a tensor-parallel engine's other ranks
         log.info("engine %r stopped; %s", self.engine_id, self.overhead_report())
         self.exited.set()
 

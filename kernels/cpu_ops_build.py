@@ -1,6 +1,7 @@
 """Builds and loads every C++ CPU op of kernels/csrc as one shared library, registered with the
 dispatcher (kaiten_cpu::paged_attention, ::write_kv, ::write_kv_attention, ::packed_linear,
-::quant_linear, ::bf16_linear, ::lora_add_, ::argmax_rows, ::int8_x_levels).
+::quant_linear, ::bf16_linear, ::lora_add_, ::argmax_rows, ::int8_x_levels,
+::shm_all_reduce_).
 
 The sources include ATen's and torch/library.h's headers only (csrc/aten_ops.h), not
 torch/extension.h, and register their ops with TORCH_LIBRARY: no pybind11, no Python module. The
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ["paged_attention_cpu.cpp", "packed_linear_cpu.cpp", "quant_linear_cpu.cpp", "bf16_linear_cpu.cpp",
-           "lora_cpu.cpp", "argmax_cpu.cpp"]
+           "lora_cpu.cpp", "argmax_cpu.cpp", "shm_all_reduce_cpu.cpp"]
 LIBRARY = "kaiten_cpu_ops.so"
 OPT_FLAGS = ["-O3", "-fopenmp"]   # -fopenmp: at::parallel_for is inline OpenMP code, run on torch's libgomp
 _BUILT = ".kaiten-built"          # in a build directory, once its build has finished
@@ -265,6 +266,7 @@ def _register_fakes() -> None:
         lambda x, weight, bias, min_dense_rows: x.new_empty((*x.shape[:-1], weight.shape[0])))
     torch.library.register_fake("kaiten_cpu::lora_add_")(
         lambda y, x, a, b, splits, token_index, bounds: None)
+    torch.library.register_fake("kaiten_cpu::shm_all_reduce_")(lambda x, handle: None)
 
 
 def cpu_ops_loaded() -> bool:

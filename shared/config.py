@@ -168,6 +168,10 @@ class EngineConfig(_EnvConfig):
                                          # --redis-url form; "": none. Its own Redis, not the queue's
     kv_store_chunk_tokens: int = 0       # tokens in a stored chunk (whole blocks); 0: the fewest blocks
                                          # holding 256 KiB of KV (measured: bench/results/kv_store)
+    tensor_parallel_size: int = 1        # ranks (processes on this host) one engine's model is split
+                                         # over; CPU only (docs/tensor_parallel.md)
+    cpu_binding: str = ""                # each rank's cores, "0-3|4-7"; "": this process's split
+                                         # evenly (NUMA-aware); "none": not pinned
     ENV_NAMES = {"model": "KAITEN_MODEL"}
 
     def lora_module_paths(self) -> dict[str, str]:

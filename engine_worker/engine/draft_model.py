@@ -20,7 +20,8 @@ class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig, vocab_size: int):
         from shared.model_source import resolve_model
         path = str(resolve_model(config.model))
-        self.runner = ModelRunner(engine_config.with_overrides(model=path, max_loras=0), path)   # no adapters
+        # no adapters; whole on rank 0 of a tensor-parallel engine
+        self.runner = ModelRunner(engine_config.with_overrides(model=path, max_loras=0, tensor_parallel_size=1), path)
         if self.runner.model_config.vocab_size != vocab_size:
             raise ValueError(f"the draft model {path} has {self.runner.model_config.vocab_size} tokens in its "
                              f"vocabulary; the target has {vocab_size}: they must share the tokenizer")

@@ -129,7 +129,7 @@ class LLMEngine:
         cfg, rank, dtype = self.runner.model_config, config.max_lora_rank, self.runner.dtype
         registry = LoraRegistry(config.max_loras, config.max_cpu_loras or config.max_loras,
                                 lambda name, path: load_lora(name, path, cfg, rank, dtype),
-                                self.runner.model.write_lora)
+                                self.runner.write_lora)
         if modules:
             self.runner.enable_lora()
         for name, path in modules.items():

@@ -135,9 +135,12 @@ class CausalLM(nn.Module):
     def lora_enabled(self) -> bool:
         return self._owners()[0][1].lora is not None
 
-    def enable_lora(self, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Give every projection `num_slots` zeroed adapter slots of rank up to `max_rank`."""
-        shapes = projection_shapes(self.cfg)
+    def enable_lora(self, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                    shapes: dict | None = None) -> None:
+        """Give every projection `num_slots` zeroed adapter slots of rank up to `max_rank`; `shapes`:
+        the projections' (projection_shapes), where they are not the config's (a tensor-parallel
+        rank's share)."""
+        shapes = shapes or projection_shapes(self.cfg)
         for _, owner, p in self._owners():
             if owner.lora is None:
                 owner.lora = nn.ModuleDict()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,10 @@ from engine_worker.model.checkpoint import stored_in_bf16
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.packed_linear import PackedLinear
 from engine_worker.model.registry import model_class
+from engine_worker.model.tensor_parallel import (TPRank, check_splittable, kv_heads_of_rank, lora_shapes, shard_lora,
+                                                 shard_model)
 from engine_worker.model.lora_layers import LoraBatch, projection_shapes
+from engine_worker.model.tp_ranks import RankGroup
 from kernels.cpu_ops_build import cpu_ops_available
 from kernels.interface import AttentionMetadata
 from kernels.registry import get_attention_backend
@@ -32,6 +36,7 @@ CPU_KV_CACHE_MEMORY = "1GiB"       # kv_cache_memory "auto" on the CPU
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
 def resolve_dtype(name: str, device: torch.device, shapes=DEFAULT_SHAPES) -> torch.dtype:
@@ -62,15 +67,28 @@ def kv_budget_from_profile(total: int, free: int, reserved: int, peak: int, util
 
 
 class ModelRunner:
-    """`stages`: where the start-up's stages are recorded (kernels, weights, KV cache, compilation)."""
+    """`stages`: where the start-up's stages are recorded (kernels, weights, KV cache, compilation).
+    `tp_rank`: this runner is rank 1.. of a tensor-parallel engine (tp_ranks.py starts it); where
+    config.tensor_parallel_size > 1 and it is None, this runner is rank 0 and starts the others."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, stages: StartupStages | None = None):
+    def __init__(self, config: EngineConfig, model_dir: str, stages: StartupStages | None = None,
+                 tp_rank: TPRank | None = None):
         self.config = config
         self.device = torch.device(config.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, gemm_shapes(self.model_config))
+        self.ranks: RankGroup | None = None       # rank 0 of a tensor-parallel engine: the other ranks
+        self.tp = tp_rank
+        if config.tensor_parallel_size > 1 and tp_rank is None:
+            self._check_tensor_parallel()
+            self.ranks = RankGroup(config.with_overrides(dtype=DTYPE_NAMES[self.dtype]), model_dir)
+            self.tp = self.ranks.tp
+        if self.tp is not None and config.num_threads <= 0:
+            torch.set_num_threads(len(os.sched_getaffinity(0)))     # its own cores (cpu_binding.py)
+        self.kv_heads = self.model_config.num_kv_heads if self.tp is None else \
+            kv_heads_of_rank(self.model_config, self.tp)
         with stage(stages, "kernels"):          # "auto" on the CPU builds the C++ kernels on first use
             self.backend = get_attention_backend(config.attention_backend, self.device, config.deterministic)
         self.block_size = getattr(self.backend, "REQUIRED_BLOCK_SIZE", None) or config.block_size
@@ -118,6 +136,8 @@ class ModelRunner:
                      self.model.use_bf16_weights(config.deterministic))
         self.model.load_weights(model_dir)
         self.model.eval()
+        if self.tp is not None:
+            shard_model(self.model, self.tp)
         # deterministic packs regardless: oneDNN's GEMM on packed weights computes a row the same
         # whatever the rows beside it, MKL's on plain ones does not (bench/results/batch_invariance)
         if (config.pack_cpu_weights or config.deterministic) and PackedLinear.supported(self.device, self.dtype):
@@ -127,6 +147,17 @@ class ModelRunner:
             self.model.pack_for_cpu()
         if self.device.type == "cpu":
             onto_huge_pages(self.model)
+
+    def _check_tensor_parallel(self) -> None:
+        """ValueError, in one line, for what a tensor-parallel engine cannot do (yet)."""
+        config, flag = self.config, f"--tensor-parallel-size {self.config.tensor_parallel_size}"
+        if self.device.type != "cpu":
+            raise ValueError(f"{flag} runs on the CPU only (--device cpu); NCCL ranks are not implemented")
+        if not cpu_ops_available():
+            raise ValueError(f"{flag} needs the C++ CPU ops (its all-reduce is one of them)")
+        if config.kv_store_url:
+            raise ValueError(f"{flag} does not support a shared KV store (--kv-store-url) yet")
+        check_splittable(self.model_config, config.tensor_parallel_size)
 
     def _capture_graphs(self) -> None:
         config = self.config
@@ -240,7 +271,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_config
-        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (self.num_blocks, self.block_size, self.kv_heads, cfg.head_dim)
 
         def zeros() -> torch.Tensor:
             if self.device.type == "cpu":
@@ -251,12 +282,26 @@ class ModelRunner:
     def enable_lora(self) -> None:
         """Allocate the adapter slots (max_loras of rank max_lora_rank on every projection: 145 MB
         for SmolLM2 in fp32) at the first adapter, not before: an engine that never serves one
-        keeps that memory. Then compile the forward for steps with adapter tokens, once."""
+        keeps that memory. Then compile the forward for steps with adapter tokens, once. On every
+        rank of a tensor-parallel engine (the compilation's warm-up step runs their all-reduces)."""
+        if self.model.lora_enabled and (self.compiled is None or self._lora_compiled):
+            return
+        if self.ranks is not None:
+            self.ranks.channel.send_start("enable_lora")
         if not self.model.lora_enabled:
-            self.model.enable_lora(self.max_loras, self.max_lora_rank, self.dtype, self.device)
+            shapes = None if self.tp is None else lora_shapes(self.model)
+            self.model.enable_lora(self.max_loras, self.max_lora_rank, self.dtype, self.device, shapes)
         if self.compiled is not None and not self._lora_compiled:
             self.compiled.warm_up(lora=True)
             self._lora_compiled = True
+        if self.ranks is not None:
+            self.ranks.channel.wait_acks("enable_lora")
+
+    def write_lora(self, slot: int, weights: dict | None) -> None:
+        """Load an adapter's weights into `slot` (CausalLM.write_lora), each rank its share."""
+        if self.ranks is not None:
+            self.ranks.call("write_lora", slot, weights)
+        self.model.write_lora(slot, weights if self.tp is None else shard_lora(self.model, weights))
 
     def _compile(self) -> CompiledForward | None:
         """The compiled CPU forward, or None (eager, with a warning) where Inductor cannot build
@@ -311,6 +356,22 @@ class ModelRunner:
         return ids, torch.from_numpy(positions).to(dev), meta, lora
 
     @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, lora: LoraBatch | None
+                ) -> torch.Tensor:
+        """The model's hidden states [T, hidden] of a prepared step."""
+        if (self.graphs is not None and lora is None and meta.is_decode_only
+                and meta.num_seqs <= self.graphs.max_batch):       # graphs are captured without LoRA
+            return self.graphs.run(ids, pos, meta)
+        if self.compiled is not None:
+            return self.compiled(ids, pos, meta, lora)
+        return self.model(ids, pos, self.kv_caches, meta, self.backend, lora)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, sample_rows: list[int], prompt_spans: list[tuple[int, int, int]] = (),
             sample_counts: list[int] | None = None, lora_slots: list[int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -320,13 +381,9 @@ class ModelRunner:
         logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
         new tokens, count), in order (None when there are none). `lora_slots`: see prepare."""
         ids, pos, meta, lora = self.prepare(batch, lora_slots)
-        if (self.graphs is not None and lora is None and meta.is_decode_only
-                and meta.num_seqs <= self.graphs.max_batch):       # graphs are captured without LoRA
-            hidden = self.graphs.run(ids, pos, meta)
-        elif self.compiled is not None:
-            hidden = self.compiled(ids, pos, meta, lora)
-        else:
-            hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, lora)
+        if self.ranks is not None:
+            self.ranks.send(ids, pos, meta, lora)
+        hidden = self.forward(ids, pos, meta, lora)
         if sample_counts is None or all(c == 1 for c in sample_counts):
             last = meta.cu_seqlens_q[1:].long() - 1
             rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
