@@ -65,6 +65,7 @@ class StartupReport:
         self.stages.serving()
         self._serving.set()
         if self.stages.snapshot().background and self._thread.is_alive():
+            self._write_quietly()           # SERVING at once, as below: the gateways admit requests
             return
         self.close()
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from engine_worker.engine.scheduler import ScheduledBatch
+from engine_worker.model.background_compile import BackgroundCompile
 from engine_worker.model.compiled_forward import CompiledForward
 from engine_worker.model.cuda_graphs import DecodeGraphRunner
 from engine_worker.model.dtype_choice import DEFAULT_SHAPES, cpu_auto_dtype
@@ -94,9 +95,13 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         self._lora_compiled = False
         self.compiled: CompiledForward | None = None
+        self.background: BackgroundCompile | None = None     # a server's compile (on the CPU)
         if self.device.type == "cpu" and not config.enforce_eager:
-            with stage(stages, "compilation"):
-                self.compiled = self._compile()
+            if config.offline:
+                with stage(stages, "compilation"):
+                    self.compiled = self._compile()
+            else:
+                self._compile_in_background(stages)
         want_graphs = self.device.type == "cuda" and not config.enforce_eager
         if want_graphs and not self.backend.cuda_graph_safe:
             log.warning("attention backend %s cannot run in CUDA graphs; decode runs eagerly", self.backend.name)
@@ -251,11 +256,49 @@ class ModelRunner:
     def enable_lora(self) -> None:
         """Allocate the adapter slots (max_loras of rank max_lora_rank on every projection: 145 MB
         for SmolLM2 in fp32) at the first adapter, not before: an engine that never serves one
-        keeps that memory. Then compile the forward for steps with adapter tokens, once."""
+        keeps that memory. Then compile the forward for steps with adapter tokens, once (a
+        server: in the background, its steps with adapter tokens eager until then)."""
         if not self.model.lora_enabled:
             self.model.enable_lora(self.max_loras, self.max_lora_rank, self.dtype, self.device)
-        if self.compiled is not None and not self._lora_compiled:
+        if self.compiled is None or self._lora_compiled:
+            return
+        if self.background is not None:
+            self.background.start(lora=True)
+        else:
             self.compiled.warm_up(lora=True)
+            self._lora_compiled = True
+
+    def _compile_in_background(self, stages: StartupStages | None) -> None:
+        """A server is ready once it can serve eagerly. Where a child compiled this model's graphs
+        before (warm caches), they are loaded now, in seconds, and its first step runs compiled;
+        else a child compiles them and the runner switches to them when they are loaded
+        (background_compile.py)."""
+        self.background = BackgroundCompile(self.config, self.model, self.kv_caches, self._own_backend, self.dtype,
+                                            self.max_loras, stages)
+        if self.background.is_warm():
+            with stage(stages, "compilation"):
+                self.compiled = self._compile()
+            if self.compiled is not None:
+                return
+        self.background.start()
+
+    def _own_backend(self):
+        return get_attention_backend(self.config.attention_backend, self.device, self.config.deterministic)
+
+    def take_compiled(self) -> None:
+        """At a step boundary, the graphs the background has loaded: the whole forward switches
+        at once (steps with adapter tokens when theirs are loaded too). Cheap when there are none."""
+        bg = self.background
+        if bg is None or not bg.pending():
+            return
+        compiled = bg.take(lora=False)
+        if compiled is not None:
+            self.compiled = compiled
+            if self.model.lora_enabled:
+                bg.start(lora=True)
+        with_lora = bg.take(lora=True)
+        if with_lora is not None and self.compiled is not None:
+            self.compiled.adopt(with_lora, lora=True)
             self._lora_compiled = True
 
     def _compile(self) -> CompiledForward | None:
@@ -319,11 +362,12 @@ class ModelRunner:
         `sample_rows` (those whose whole context is computed after this step) and, for prompt
         logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
         new tokens, count), in order (None when there are none). `lora_slots`: see prepare."""
+        self.take_compiled()
         ids, pos, meta, lora = self.prepare(batch, lora_slots)
         if (self.graphs is not None and lora is None and meta.is_decode_only
                 and meta.num_seqs <= self.graphs.max_batch):       # graphs are captured without LoRA
             hidden = self.graphs.run(ids, pos, meta)
-        elif self.compiled is not None:
+        elif self.compiled is not None and (lora is None or self._lora_compiled):
             hidden = self.compiled(ids, pos, meta, lora)
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, lora)
