@@ -2,7 +2,9 @@
 ``names.starting_key`` (TTL ``names.STARTING_TTL_S``) every second with the stages' snapshot,
 from the process's first second until the engine serves. Then ``finish`` writes it once more,
 stage SERVING, to expire a few seconds later: a reader polling less often than the last stages
-passed still sees them all. Redis may be down or slow: the engine's start never waits for it."""
+passed still sees them all. An engine serving eagerly while it compiles in the background keeps
+the key, SERVING with its background stage, until the compilation ends. Redis may be down or
+slow: the engine's start never waits for it."""
 from __future__ import annotations
 
 import logging
@@ -28,6 +30,7 @@ class StartupReport:
         self._r = redis_client(redis_url, retries=0, socket_connect_timeout=1.0, socket_timeout=2.0,
                                client_name="kaiten-engine-startup", max_connections=1)
         self._stop = threading.Event()
+        self._serving = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kaiten-startup-report")
 
     def start(self) -> StartupReport:
@@ -40,22 +43,38 @@ class StartupReport:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.write()
-            except Exception as e:          # Redis not up yet: the worker's own connect logs it
-                log.debug("start-up report failed: %s", e)
+            self._write_quietly()
+            if self._serving.is_set() and not self.stages.snapshot().background:
+                break                       # the background stage ended: its last state is written
             self._stop.wait(self.interval)
+        if self._serving.is_set() and not self._stop.is_set():
+            self._r.close()
+
+    def _write_quietly(self) -> None:
+        try:
+            self.write()
+        except Exception as e:          # Redis not up yet: the worker's own connect logs it
+            log.debug("start-up report failed: %s", e)
 
     def finish(self) -> None:
-        """Stop reporting; the key's last state is SERVING (the engine serves, or exits). Once."""
+        """The engine serves, or exits: the key's state is SERVING from now. While a stage goes on
+        in the background (the compilation, the engine serving eagerly) the thread keeps the key
+        until that ends; else reporting stops now. Once."""
+        if self._serving.is_set():
+            return
+        self.stages.serving()
+        self._serving.set()
+        if self.stages.snapshot().background and self._thread.is_alive():
+            self._write_quietly()           # SERVING at once, as below: the gateways admit requests
+            return
+        self.close()
+
+    def close(self) -> None:
+        """Stop reporting now (the engine exits), the last state written."""
         if self._stop.is_set():
             return
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
-        self.stages.serving()
-        try:
-            self.write()
-        except Exception as e:
-            log.debug("could not write the start-up report: %s", e)
+        self._write_quietly()
         self._r.close()

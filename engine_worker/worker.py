@@ -191,6 +191,8 @@ class EngineWorker:
                     self.step_stats.add(dt)
                     self.metrics.step_time.observe(dt)
                     self._route(outputs)
+                else:
+                    engine.between_steps()
                 self.held.publish()
                 self.inbox.set_capacity(engine.free_capacity() if self.accepting else 0)
                 stats = self._live_stats()

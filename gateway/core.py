@@ -207,6 +207,7 @@ class Gateway:
         load = default.view.load or load_of(default.view.live, 0)
         return {"model": default.name, "engines": len(default.view.live),
                 "starting": [s.describe() for s in self.monitor.starting_for(default.name)],
+                "compiling": [s.describe() for s in self.monitor.compiling_for(default.name)],
                 "num_requests_running": load["num_running"],
                 "num_requests_waiting": load["num_waiting"] + load["backlog"],
                 "kv_cache_usage": round(load["kv_cache_usage"], 4), "gateway_id": self.gateway_id,

@@ -1,6 +1,7 @@
 """`kaiten serve`'s account of the start: each engine's stages, read from Redis
 (``names.starting_key``, shared/startup_stages.py) while the launcher waits for /ready, logged as
-each ends ("engine 1/1: compilation took 14.2 s"), and a line when the engines serve."""
+each ends ("engine 1/1: compilation took 14.2 s"), and a line when the engines serve (or serve
+the eager model while they compile in the background)."""
 from __future__ import annotations
 
 import logging
@@ -50,9 +51,12 @@ class StartupWatch:
         for name, seconds in state.done[self._shown.get(key, 0):]:
             log.info("%s: %s took %.1f s", who, STAGE_TITLES.get(name, name), seconds)
         self._shown[key] = len(state.done)
-        if state.stage and state.starting and self._stage.get(key) != state.stage:
-            log.info("%s: %s ...", who, STAGE_TITLES.get(state.stage, state.stage))
-        self._stage[key] = state.stage
+        now = state.background if state.compiling else state.stage if state.starting else ""
+        if now and self._stage.get(key) != now:
+            title = STAGE_TITLES.get(now, now)
+            log.info("%s: %s ...", who, f"{title} in the background, serving the eager model" if state.compiling
+                     else title)
+        self._stage[key] = now
 
     def close(self) -> None:
         self.poll_now()

@@ -274,6 +274,11 @@ class LLMEngine:
             return 0
         return max(0, s.max_num_seqs - len(s.running) - len(s.waiting) - len(self.structured.pending))
 
+    def between_steps(self) -> None:
+        """What an idle engine does at a step boundary: switch to the compiled forward where the
+        background has loaded it (every forward pass does the same first)."""
+        self.runner.take_compiled()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_outputs) or bool(self.structured.pending)
 

@@ -312,8 +312,16 @@ class CompiledForward:
         if lora is not None:
             for t in (lora.token_index, lora.pad_index, lora.pad_rows):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
-        model = self.model
-        return tuple(compiled_layer_for(graph_signature((layers, model.ropes), kv_caches, self.ops, lora is not None))
+        return tuple(compiled_layer_for(signature) for signature in self.signatures(lora is not None))
+
+    def adopt(self, other: CompiledForward, lora: bool) -> None:
+        """Take `other`'s graphs (built over the same model) for one kind of step: a background
+        thread loads them on a forward of its own, with a backend of its own, while this one serves."""
+        self._fns[lora] = other._fns[lora]
+
+    def signatures(self, lora: bool) -> tuple[tuple, ...]:
+        """Each region's graph_signature for steps with (`lora`) or without adapter tokens."""
+        return tuple(graph_signature((layers, self.model.ropes), kv_caches, self.ops, lora)
                      for layers, kv_caches in self.regions)
 
     @torch.inference_mode()

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engine_worker.engine.scheduler import ScheduledBatch
+from engine_worker.model.background_compile import BackgroundCompile
 from engine_worker.model.compiled_forward import CompiledForward
 from engine_worker.model.cuda_graphs import DecodeGraphRunner
 from engine_worker.model.dtype_choice import DEFAULT_SHAPES, cpu_auto_dtype
@@ -112,9 +113,13 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         self._lora_compiled = False
         self.compiled: CompiledForward | None = None
+        self.background: BackgroundCompile | None = None     # a server's compile (on the CPU)
         if self.device.type == "cpu" and not config.enforce_eager:
-            with stage(stages, "compilation"):
-                self.compiled = self._compile()
+            if config.offline or self.ranks is not None or self.tp is not None:   # every rank compiles in step
+                with stage(stages, "compilation"):
+                    self.compiled = self._compile()
+            else:
+                self._compile_in_background(stages)
         want_graphs = self.device.type == "cuda" and not config.enforce_eager
         if want_graphs and not self.backend.cuda_graph_safe:
             log.warning("attention backend %s cannot run in CUDA graphs; decode runs eagerly", self.backend.name)
@@ -282,8 +287,9 @@ class ModelRunner:
     def enable_lora(self) -> None:
         """Allocate the adapter slots (max_loras of rank max_lora_rank on every projection: 145 MB
         for SmolLM2 in fp32) at the first adapter, not before: an engine that never serves one
-        keeps that memory. Then compile the forward for steps with adapter tokens, once. On every
-        rank of a tensor-parallel engine (the compilation's warm-up step runs their all-reduces)."""
+        keeps that memory. Then compile the forward for steps with adapter tokens, once: on every
+        rank of a tensor-parallel engine (the compilation's warm-up step runs their all-reduces), in
+        the background on a server of one rank (its steps with adapter tokens eager until then)."""
         if self.model.lora_enabled and (self.compiled is None or self._lora_compiled):
             return
         if self.ranks is not None:
@@ -291,7 +297,9 @@ class ModelRunner:
         if not self.model.lora_enabled:
             shapes = None if self.tp is None else lora_shapes(self.model)
             self.model.enable_lora(self.max_loras, self.max_lora_rank, self.dtype, self.device, shapes)
-        if self.compiled is not None and not self._lora_compiled:
+        if self.background is not None and self.compiled is not None and not self._lora_compiled:
+            self.background.start(lora=True)
+        elif self.compiled is not None and not self._lora_compiled:
             self.compiled.warm_up(lora=True)
             self._lora_compiled = True
         if self.ranks is not None:
@@ -302,6 +310,39 @@ class ModelRunner:
         if self.ranks is not None:
             self.ranks.call("write_lora", slot, weights)
         self.model.write_lora(slot, weights if self.tp is None else shard_lora(self.model, weights))
+
+    def _compile_in_background(self, stages: StartupStages | None) -> None:
+        """A server is ready once it can serve eagerly. Where a child compiled this model's graphs
+        before (warm caches), they are loaded now, in seconds, and its first step runs compiled;
+        else a child compiles them and the runner switches to them when they are loaded
+        (background_compile.py)."""
+        self.background = BackgroundCompile(self.config, self.model, self.kv_caches, self._own_backend, self.dtype,
+                                            self.max_loras, stages)
+        if self.background.is_warm():
+            with stage(stages, "compilation"):
+                self.compiled = self._compile()
+            if self.compiled is not None:
+                return
+        self.background.start()
+
+    def _own_backend(self):
+        return get_attention_backend(self.config.attention_backend, self.device, self.config.deterministic)
+
+    def take_compiled(self) -> None:
+        """At a step boundary, the graphs the background has loaded: the whole forward switches
+        at once (steps with adapter tokens when theirs are loaded too). Cheap when there are none."""
+        bg = self.background
+        if bg is None or not bg.pending():
+            return
+        compiled = bg.take(lora=False)
+        if compiled is not None:
+            self.compiled = compiled
+            if self.model.lora_enabled:
+                bg.start(lora=True)
+        with_lora = bg.take(lora=True)
+        if with_lora is not None and self.compiled is not None:
+            self.compiled.adopt(with_lora, lora=True)
+            self._lora_compiled = True
 
     def _compile(self) -> CompiledForward | None:
         """The compiled CPU forward, or None (eager, with a warning) where Inductor cannot build
@@ -362,7 +403,7 @@ class ModelRunner:
         if (self.graphs is not None and lora is None and meta.is_decode_only
                 and meta.num_seqs <= self.graphs.max_batch):       # graphs are captured without LoRA
             return self.graphs.run(ids, pos, meta)
-        if self.compiled is not None:
+        if self.compiled is not None and (lora is None or self._lora_compiled):
             return self.compiled(ids, pos, meta, lora)
         return self.model(ids, pos, self.kv_caches, meta, self.backend, lora)
 
@@ -380,6 +421,7 @@ class ModelRunner:
         `sample_rows` (those whose whole context is computed after this step) and, for prompt
         logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
         new tokens, count), in order (None when there are none). `lora_slots`: see prepare."""
+        self.take_compiled()
         ids, pos, meta, lora = self.prepare(batch, lora_slots)
         if self.ranks is not None:
             self.ranks.send(ids, pos, meta, lora)

@@ -105,7 +105,7 @@ class EngineMonitor:
         self.engines: dict[str, EngineInfo] = {}
         self.backlog = Backlog()                 # of every model's stream together
         self.views: dict[str, ModelView] = {}    # model (as announced) -> its engines, at the last poll
-        self.starting: list[StartupState] = []   # engines not serving yet (names.starting_key), at the last poll
+        self.starting: list[StartupState] = []   # engines not serving yet, or compiling (names.starting_key), at the last poll
         self.watched: set[str] = set()           # models whose stream backlog is read with no engine up
         self.last_poll_ok: float = 0.0           # monotonic time of the last successful poll
         self.redis_ok = False
@@ -145,6 +145,10 @@ class EngineMonitor:
     def starting_for(self, model: str) -> list[StartupState]:
         """The starting engines of `model`, or of a model not known yet (one converting)."""
         return [s for s in self.starting if s.starting and s.model in (model, "")]
+
+    def compiling_for(self, model: str) -> list[StartupState]:
+        """The engines of `model` serving the eager model while they compile in the background."""
+        return [s for s in self.starting if s.compiling and s.model == model]
 
     def load(self) -> dict[str, float]:
         """Every engine's load together (all models)."""

@@ -83,3 +83,29 @@ def test_a_starting_engine_gets_503_engines_starting_with_retry_after(redis_url,
     finally:
         report.finish()
         gw.stop()
+
+
+def test_an_engine_compiling_in_the_background_is_listed_as_compiling(redis_url, tiny_model_dir):
+    """An engine that serves the eager model while it compiles keeps its start-up key, SERVING with
+    the background stage: /v1/status lists it under "compiling", not "starting", until it ends."""
+    from engine_worker.startup_report import StartupReport
+    from shared.startup_stages import StartupStages
+
+    stages = StartupStages(tiny_model_dir.name)
+    report = StartupReport(redis_url, stages, interval=0.1).start()
+    gw = start_gateway(redis_url, tiny_model_dir)
+
+    def status() -> dict:
+        return httpx.get(gw.url + "/v1/status", timeout=5, trust_env=False).json()
+    try:
+        stages.begin_background("compilation")
+        report.finish()
+        wait_until(lambda: status()["compiling"], 20, 0.1, "listed as compiling")
+        body = status()
+        assert body["compiling"][0].startswith("compilation (serving eagerly), ") and body["starting"] == [], body
+        stages.end_background("compilation", 1.5)
+        wait_until(lambda: not status()["compiling"], 20, 0.1, "no longer compiling")
+        assert ("compilation", 1.5) in stages.snapshot().done
+    finally:
+        report.close()
+        gw.stop()
