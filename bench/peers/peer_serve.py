@@ -55,6 +55,24 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
+def wait_compiled(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Until Kaiten's /v1/status lists no engine compiling in the background: a server is ready
+    while it still serves the eager model, and a benchmark measures the steady state. A server whose
+    status has no such list (an older checkout) compiled before it was ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} while compiling")
+        try:
+            with urllib.request.urlopen(url + "/v1/status", timeout=5) as r:
+                if not json.load(r).get("compiling"):
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{url} was still compiling after {timeout} s")
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
@@ -110,6 +128,8 @@ def start_server(label: str, cmd: list[str], ready_path: str, port: int, tokeniz
     server = Server(label, f"http://127.0.0.1:{port}", tokenizer, proc, log)
     try:
         wait_http(server.url + ready_path, proc, args.ready_timeout)
+        if ready_path == "/ready":          # Kaiten's
+            wait_compiled(server.url, proc, args.ready_timeout)
         warm_up(server.url, Path(tokenizer).name)
     except (RuntimeError, OSError):
         stop_server(server)
