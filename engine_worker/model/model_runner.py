@@ -297,11 +297,12 @@ class ModelRunner:
         if not self.model.lora_enabled:
             shapes = None if self.tp is None else lora_shapes(self.model)
             self.model.enable_lora(self.max_loras, self.max_lora_rank, self.dtype, self.device, shapes)
-        if self.background is not None and self.compiled is not None and not self._lora_compiled:
-            self.background.start(lora=True)
-        elif self.compiled is not None and not self._lora_compiled:
-            self.compiled.warm_up(lora=True)
-            self._lora_compiled = True
+        if self.compiled is not None and not self._lora_compiled:
+            if self.background is not None:
+                self.background.start(lora=True)
+            else:
+                self.compiled.warm_up(lora=True)
+                self._lora_compiled = True
         if self.ranks is not None:
             self.ranks.channel.wait_acks("enable_lora")
 
