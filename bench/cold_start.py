@@ -1,6 +1,7 @@
 """Cold and warm start of `kaiten serve`: seconds to GET /ready and to the first streamed token,
 with empty caches and again with the caches the first start left, then the TTFT and TPOT of the
-first --requests requests after /ready (all sent at once) against the same batch sent again
+first --requests requests after /ready (all sent at once), after the cold start and after the
+warm one, against the same batch sent again
 once the engine has no compilation left in the background (the steady state; /v1/status
 "compiling"), for this checkout and, as the baseline, another one (--baseline: e.g.
 `git worktree add /tmp/main-base main`), in the same run.
@@ -153,18 +154,20 @@ def run_checkout(name: str, checkout: Path, args, work: Path) -> dict:
         try:
             row[f"{phase}_ready_s"], row[f"{phase}_first_token_s"] = ready, first
             print(f"{name} {phase}: /ready {ready:.1f} s, first token {first:.1f} s", flush=True)
+            base = f"http://127.0.0.1:{port}"
+            after = "after_ready" if phase == "cold" else "after_warm_ready"
+            row[after] = summary(batch_times(base, args.requests))
+            row[f"{phase}_compiled_s"] = wait_compiled(base) - launched
             if phase == "cold":
-                base = f"http://127.0.0.1:{port}"
-                row["after_ready"] = summary(batch_times(base, args.requests))
-                row["compiled_s"] = wait_compiled(base) - launched
                 row["steady"] = summary(batch_times(base, args.requests))
-                row["tpot_p99_over_steady_median"] = (row["after_ready"]["tpot_p99_ms"]
-                                                      / row["steady"]["tpot_median_ms"])
-                print(f"{name}: after /ready {row['after_ready']}, compiled at {row['compiled_s']:.1f} s, "
-                      f"steady {row['steady']}", flush=True)
+            print(f"{name} {phase}: after /ready {row[after]}, compiled at {row[f'{phase}_compiled_s']:.1f} s"
+                  + (f", steady {row['steady']}" if phase == "cold" else ""), flush=True)
         finally:
             stop(proc)
-    row["log_tail"] = (work / f"{name}-cold.log").read_text().splitlines()[-40:]
+    for after in ("after_ready", "after_warm_ready"):
+        row[f"{after}_tpot_p99_over_steady_median"] = row[after]["tpot_p99_ms"] / row["steady"]["tpot_median_ms"]
+    row["log_tail"] = [line for line in (work / f"{name}-warm.log").read_text().splitlines()
+                       if "HTTP/1.1" not in line][:40]
     return row
 
 
@@ -202,12 +205,14 @@ def render(meta: dict, rows: dict) -> str:
     for name, r in rows.items():
         lines.append(f"| {name} | {r['cold_ready_s']:.1f} | {r['cold_first_token_s']:.1f} | "
                      f"{r['warm_ready_s']:.1f} | {r['warm_first_token_s']:.1f} |")
-    lines += ["", "| checkout | compiled at s | first batch's TPOT P99 / steady TPOT median |", "|---|---:|---:|"]
-    lines += [f"| {name} | {r['compiled_s']:.1f} | {r['tpot_p99_over_steady_median']:.2f}x |" for name, r in rows.items()]
+    lines += ["", "| checkout | start | compiled at s | first batch's TPOT P99 / steady TPOT median |",
+              "|---|---|---:|---:|"]
+    lines += [f"| {name} | {phase} | {r[f'{phase}_compiled_s']:.1f} | {r[f'{after}_tpot_p99_over_steady_median']:.2f}x |"
+              for name, r in rows.items() for phase, after in (("cold", "after_ready"), ("warm", "after_warm_ready"))]
     lines += ["", "| checkout | batch | TTFT median ms | TTFT P99 ms | TPOT median ms | TPOT P99 ms |",
               "|---|---|---:|---:|---:|---:|"]
     for name, r in rows.items():
-        for batch in ("after_ready", "steady"):
+        for batch in ("after_ready", "after_warm_ready", "steady"):
             s = r[batch]
             lines.append(f"| {name} | {batch.replace('_', ' ')} | {s['ttft_median_ms']:.0f} | {s['ttft_p99_ms']:.0f} | "
                          f"{s['tpot_median_ms']:.1f} | {s['tpot_p99_ms']:.1f} |")

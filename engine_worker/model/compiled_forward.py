@@ -32,8 +32,10 @@ import contextlib
 import dataclasses
 import enum
 import hashlib
+import itertools
 import logging
 import os
+import re
 import threading
 import time
 import types
@@ -159,6 +161,38 @@ def configure_inductor() -> None:
     # step). A debugging aid; the tests compare the compiled model's outputs instead.
     inductor_config.size_asserts = False
     inductor_config.alignment_asserts = False
+    # On: Inductor takes the vector ISA that the CPU's flags and ATen's capability name instead
+    # of building and loading a probe library in six subprocesses first (1.2 s of a 2.9 s load
+    # from warm caches); the C++ ops' build needs a compiler for that ISA already.
+    inductor_config.cpp.vec_isa_ok = True
+    # On: Dynamo keeps what it traced (bytecode and the backend's artifacts) in the cache folder
+    # too, so a start with warm caches loads a region's graph without tracing its layers again:
+    # 1.3 s against 5.5 s for SmolLM2's 15-layer regions (bench/results/cold_start/README.md).
+    # Its key is the function's qualified name: compiled_layer_for names each copy by its
+    # graph signature. Saved after each compile (save_traced_regions).
+    torch._dynamo.config.caching_precompile = True
+
+
+# A global that Dynamo installs in a traced function's module: `__builtins_dict___0`,
+# `__compiled_fn_1_<uuid>`; the number is from one counter of the process that traced it.
+_DYNAMO_GLOBAL = re.compile(r"^__\w*?_(\d+)(?:_[0-9a-f]{8}(?:_[0-9a-f]{4}){3}_[0-9a-f]{12})?$")
+
+
+def skip_loaded_globals() -> None:
+    """Move Dynamo's name counter past the globals that graphs loaded from its cache installed
+    here (numbered in the process that traced them), before this process traces: else a name
+    clashes ("already exists in scope") and the compile fails."""
+    from torch._dynamo import bytecode_transformation
+    taken = [int(m.group(1)) for name in list(_layers.__globals__) if (m := _DYNAMO_GLOBAL.match(name))]
+    if taken:
+        start = max(max(taken) + 1, next(bytecode_transformation._unique_id_counter))
+        bytecode_transformation._unique_id_counter = itertools.count(start)
+
+
+def save_traced_regions() -> None:
+    """Write what Dynamo traced in this process to its cache (caching_precompile, above)."""
+    from torch._dynamo.precompile_context import PrecompileContext
+    PrecompileContext.save_to_dynamo_cache()
     torch._functorch.config.enable_autograd_cache = True
 
 
@@ -201,11 +235,13 @@ def compiled_layer_for(signature: tuple) -> Callable:
     cache for it holds that structure's graph alone and needs none of its guards (about 3,700
     checks of the weights, modules and inputs a SmolLM2 step, 0.8 ms of a 6 ms one-stream step).
     Layers of the same signature, in one model or in several, share the copy: their weights are
-    graph inputs."""
+    graph inputs. The copy is named by the signature's hash, which keys its traced graph on
+    disk (configure_inductor)."""
     fn = COMPILED_LAYER_CACHE.get(signature)
     if fn is None:
-        code = _layers.__code__.replace(co_name=f"_layers_{len(COMPILED_LAYER_CACHE)}")
-        copy = types.FunctionType(code, _layers.__globals__, code.co_name)
+        name = f"_layers_{hashlib.sha1(repr(signature).encode()).hexdigest()[:16]}"
+        code = _layers.__code__.replace(co_name=name, co_qualname=name)
+        copy = types.FunctionType(code, _layers.__globals__, name)
         fn = torch.compile(copy, dynamic=False, fullgraph=True,
                            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True})
         COMPILED_LAYER_CACHE[signature] = fn
@@ -290,6 +326,7 @@ class CompiledForward:
         tracing = fns is None
         if tracing:
             fns = self._fns[lora is not None] = self._first_call(ropes, meta, lora)
+            skip_loaded_globals()
         extra = () if lora is None else lora.args()
         args = (self.ops, meta.cu_seqlens_q, meta.seqlens_k, meta.block_tables, meta.slot_mapping, *extra)
         with step_context(self.backend, meta):
@@ -347,6 +384,7 @@ class CompiledForward:
         batch = LoraBatch.for_step(np.array([0, -1, 0, -1]), self.max_loras, self.dtype, dev) \
             if lora else None
         self(ids, pos, meta, batch)
+        save_traced_regions()
         seconds = time.perf_counter() - start
         graphs = len(set(self._fns[lora]))
         log.info("compiled the model in %.1f s: %d graph%s for %d regions of up to %d layers (Inductor cache: %s)",

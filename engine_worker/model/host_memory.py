@@ -21,18 +21,23 @@ from torch import nn
 _HUGE_PAGE = 2 << 20
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, commit: bool = True) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on the CPU, in a private anonymous mapping 2 MiB aligned and
     advised as huge pages before its first touch. The tensor starts its own storage (offset 0), as
     torch.zeros' does: Inductor's graph cache keys on the inputs' storage offsets. Where mmap has
     no MADV_HUGEPAGE (not Linux), and for tensors under 2 MiB, plain torch.zeros; where the kernel
-    refuses the advice (no THP support), small pages. The contents are the same either way."""
+    refuses the advice (no THP support), small pages. The contents are the same either way.
+    `commit`: write the zeros now, as torch.zeros does; else the kernel gives each page zeroed at
+    its first touch. Writing the 2 GiB KV cache of SmolLM2 took 1.3 s of a 9 s start; committed
+    on a thread instead, it stalled the first requests' steps (the thread took a core from their
+    OpenMP team: bench/results/cold_start/README.md); at first touch a batch pays a fault per
+    2 MiB page of a layer's cache that it reaches first, 341 blocks' worth."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < _HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     buf, start = _aligned_mapping(nbytes, nbytes // _HUGE_PAGE * _HUGE_PAGE, mmap.MADV_HUGEPAGE)
     out = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=start).view(shape)
-    return out.zero_()                  # commits the memory now, as torch.zeros does
+    return out.zero_() if commit else out
 
 
 def onto_huge_pages(model: nn.Module, min_bytes: int = 64 << 10) -> int:

@@ -14,6 +14,7 @@ from engine_worker.model.compiled_forward import CompiledForward
 from engine_worker.model.cuda_graphs import DecodeGraphRunner
 from engine_worker.model.dtype_choice import DEFAULT_SHAPES, cpu_auto_dtype
 from engine_worker.model.host_memory import onto_huge_pages, zeros_on_huge_pages
+from engine_worker.model.causal_lm import without_random_init
 from engine_worker.model.checkpoint import stored_in_bf16
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.packed_linear import PackedLinear
@@ -131,7 +132,8 @@ class ModelRunner:
         """The model in its weight formats (quantized as stored, bf16-stored, packed), its weights loaded."""
         config = self.config
         cls = model_class(self.model_config.architecture)
-        self.model = cls(self.model_config, self.max_model_len).to(device=self.device, dtype=self.dtype)
+        with without_random_init():
+            self.model = cls(self.model_config, self.max_model_len).to(device=self.device, dtype=self.dtype)
         packed = self._quantized_weights(model_dir)
         self._quantized = bool(packed)          # the KV cache's "auto" dtype depends on it
         if packed:
@@ -280,7 +282,7 @@ class ModelRunner:
 
         def zeros() -> torch.Tensor:
             if self.device.type == "cpu":
-                return zeros_on_huge_pages(shape, self.kv_dtype)
+                return zeros_on_huge_pages(shape, self.kv_dtype, commit=False)
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
@@ -314,8 +316,8 @@ class ModelRunner:
 
     def _compile_in_background(self, stages: StartupStages | None) -> None:
         """A server is ready once it can serve eagerly. Where a child compiled this model's graphs
-        before (warm caches), they are loaded now, in seconds, and its first step runs compiled;
-        else a child compiles them and the runner switches to them when they are loaded
+        before (warm caches), they are loaded now, in about a second, and its first step runs
+        compiled; else a child compiles them and the runner switches to them when they are loaded
         (background_compile.py)."""
         self.background = BackgroundCompile(self.config, self.model, self.kv_caches, self._own_backend, self.dtype,
                                             self.max_loras, stages)

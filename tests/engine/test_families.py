@@ -168,3 +168,20 @@ def test_compiled_layers_take_one_graph_per_layer_structure(tmp_path, monkeypatc
         got = runner.compiled(ids, pos, meta)
         want = runner.model(ids, pos, runner.kv_caches, meta, runner.backend)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_models_build_without_random_init_and_the_init_comes_back():
+    """without_random_init skips torch.nn.init's random fills while a model is built (its weights
+    are all loaded next) and restores them after."""
+    import torch
+    from torch import nn
+
+    from engine_worker.model.causal_lm import RANDOM_INITS, without_random_init
+    before = {name: getattr(nn.init, name) for name in RANDOM_INITS}
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    with without_random_init():
+        nn.Linear(64, 64)
+        nn.Embedding(10, 8)
+    assert torch.equal(torch.get_rng_state(), state), "a random init ran"
+    assert {name: getattr(nn.init, name) for name in RANDOM_INITS} == before

@@ -22,6 +22,17 @@ def test_zeros_on_huge_pages_are_aligned_zeros(dtype):
     assert t.sum().item() == 1
 
 
+@pytest.mark.parametrize("commit", [True, False])
+def test_zeros_committed_now_or_at_first_touch_read_the_same(commit):
+    """The KV cache's pages are left to the kernel to zero at their first touch (commit=False):
+    untouched memory reads as zeros, and every write stays."""
+    t = zeros_on_huge_pages((600, 16, 3, 64), torch.bfloat16, commit=commit)
+    assert t.storage_offset() == 0 and not t.any()
+    t[5, 0, 0, 0] = 3
+    t[-1, -1, -1, -1] = 1
+    assert t.sum().item() == 4
+
+
 def test_small_tensors_are_plain_zeros():
     t = zeros_on_huge_pages((4, 16, 2, 8), torch.float32)
     assert t.shape == (4, 16, 2, 8) and not t.any()

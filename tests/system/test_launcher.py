@@ -412,3 +412,12 @@ def test_gateway_cli_takes_keys_origins_and_keepalive(monkeypatch):
     assert cfg.allowed_origins == ("https://x.example", "https://y.example")
     monkeypatch.setenv("KAITEN_API_KEYS", "k1,k2")
     assert config_from_args(build_parser().parse_args([])).api_keys == ("k1", "k2")
+
+
+def test_no_gpu_driver_means_no_cuda_without_importing_torch(monkeypatch):
+    """On a host without NVIDIA's or ROCm's driver the launcher decides "no CUDA" from the files
+    alone; importing torch for it cost a second before the engine was launched."""
+    import shared.launcher as launcher
+    monkeypatch.setattr(launcher, "GPU_DRIVER_FILES", ("/nonexistent/nvidia",))
+    monkeypatch.setitem(sys.modules, "torch", None)         # an import of torch would raise
+    assert launcher._cuda_available() is False
