@@ -28,8 +28,8 @@ def _die_with_parent(parent: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine_worker.tp_rank",
                                 description="A tensor-parallel rank; rank 0 (the engine) starts it.")
-    for name in ("rank", "world", "comm-fd", "comm-bytes", "channel-fd", "channel-bytes", "pipe-fd", "ack-fd",
-                 "parent"):
+    for name in ("rank", "world", "comm-fd", "comm-bytes", "channel-fd", "channel-bytes", "logits-fd",
+                 "logits-bytes", "pipe-fd", "ack-fd", "parent"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--cpus", default="")
@@ -43,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(**json.loads(args.config))
     comm = ShmComm(Region.open(args.comm_fd, args.comm_bytes), args.rank, args.world)
     channel = StepChannel(Region.open(args.channel_fd, args.channel_bytes), [args.pipe_fd], [args.ack_fd])
-    runner = ModelRunner(config, args.model_dir, tp_rank=TPRank(args.rank, args.world, comm.handle))
+    logits = Region.open(args.logits_fd, args.logits_bytes)
+    runner = ModelRunner(config, args.model_dir, tp_rank=TPRank(args.rank, args.world, comm.handle, logits))
     while (message := channel.receive()) is not None:
         if isinstance(message, Call):
             getattr(runner, message.name)(*message.args)
             channel.acknowledge()
         else:
-            runner.forward(message.ids, message.positions, message.meta, message.lora)
+            runner.follow(message)
     return 0
 
 

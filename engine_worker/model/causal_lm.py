@@ -107,6 +107,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logit_softcap = float(getattr(cfg.hf, "final_logit_softcapping", None) or 0.0)
+        self.logits_gather = None     # tensor parallelism's (tp_comm.LogitsGather): rank 0 gets the whole logits
 
     # ---- what a family defines ---------------------------------------------------------------
     def build_layer(self, index: int, window: int, rope_index: int) -> nn.Module:
@@ -130,9 +131,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
-        if self.logit_softcap:
+        if self.logit_softcap:       # per logit: a tensor-parallel rank caps its slice
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits.float()
+        logits = logits.float()
+        return logits if self.logits_gather is None else self.logits_gather(logits)
 
     # ---- the fused projections ----------------------------------------------------------------
     def _owners(self) -> list[tuple[int, nn.Module, Projection]]:

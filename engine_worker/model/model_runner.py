@@ -22,6 +22,7 @@ from engine_worker.model.registry import model_class
 from engine_worker.model.tensor_parallel import (TPRank, check_splittable, kv_heads_of_rank, lora_shapes, shard_lora,
                                                  shard_model)
 from engine_worker.model.lora_layers import LoraBatch, projection_shapes
+from engine_worker.model.tp_comm import StepInputs
 from engine_worker.model.tp_ranks import RankGroup
 from kernels.cpu_ops_build import cpu_ops_available
 from kernels.interface import AttentionMetadata
@@ -426,19 +427,32 @@ class ModelRunner:
         new tokens, count), in order (None when there are none). `lora_slots`: see prepare."""
         self.take_compiled()
         ids, pos, meta, lora = self.prepare(batch, lora_slots)
-        if self.ranks is not None:
-            self.ranks.send(ids, pos, meta, lora)
-        hidden = self.forward(ids, pos, meta, lora)
-        if sample_counts is None or all(c == 1 for c in sample_counts):
-            last = meta.cu_seqlens_q[1:].long() - 1
-            rows = last[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
-        else:
-            ends = np.cumsum(batch.num_new_tokens)[sample_rows]
-            rows = torch.from_numpy(np.concatenate([np.arange(e - c, e) for e, c in zip(ends, sample_counts)]))
-            rows = rows.to(self.device)
-        prompt_logits = None
+        rows = self._logit_rows(batch, sample_rows, sample_counts)
+        prompt_rows = None
         if prompt_spans:
             starts = np.concatenate([[0], np.cumsum(batch.num_new_tokens)])
-            index = np.concatenate([np.arange(starts[r] + first, starts[r] + first + n) for r, first, n in prompt_spans])
-            prompt_logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
-        return self.model.compute_logits(hidden[rows]), prompt_logits
+            prompt_rows = torch.from_numpy(np.concatenate(
+                [np.arange(starts[r] + first, starts[r] + first + n) for r, first, n in prompt_spans]))
+        if self.ranks is not None:          # the rows too: every rank computes its slice of their logits
+            self.ranks.send(ids, pos, meta, lora, rows, prompt_rows)
+        return self._logits(self.forward(ids, pos, meta, lora), rows, prompt_rows)
+
+    @torch.inference_mode()
+    def follow(self, step: StepInputs) -> None:
+        """Rank 1..'s share of the step rank 0 runs (run): the forward, then its slice of the same logits."""
+        self._logits(self.forward(step.ids, step.positions, step.meta, step.lora), step.rows, step.prompt_rows)
+
+    @staticmethod
+    def _logit_rows(batch: ScheduledBatch, sample_rows: list[int], sample_counts: list[int] | None) -> torch.Tensor:
+        """The step's hidden rows whose logits are sampled (run): int64, on the CPU."""
+        ends = np.cumsum(np.asarray(batch.num_new_tokens, dtype=np.int64))[np.asarray(sample_rows, dtype=np.int64)]
+        if sample_counts is None or all(c == 1 for c in sample_counts):
+            return torch.from_numpy(ends - 1)
+        return torch.from_numpy(np.concatenate([np.arange(e - c, e) for e, c in zip(ends, sample_counts)]))
+
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor, prompt_rows: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits of `rows` and of `prompt_rows` (first: every rank gathers in the same order)."""
+        dev = self.device
+        prompt_logits = None if prompt_rows is None else self.model.compute_logits(hidden[prompt_rows.to(dev)])
+        return self.model.compute_logits(hidden[rows.to(dev)]), prompt_logits

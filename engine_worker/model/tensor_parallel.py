@@ -6,15 +6,21 @@ heads share, replicated) and its slice of gate_up_proj's gate and up. Row-parall
 split): o_proj and down_proj take the matching columns, each rank's output is a partial sum, and
 ParallelAttention / ParallelGatedMLP add them over the ranks with one all-reduce each
 (kaiten_cpu::shm_all_reduce_), after the LoRA term, so a row-parallel adapter sums too. A
-row-parallel bias is added by rank 0 alone. Norms, embeddings and the output layer stay whole on
-every rank: the hidden states after each all-reduce are the same bits on every rank, and rank 0
-computes the logits from its own.
+row-parallel bias is added by rank 0 alone. Norms and the embedding stay whole on every rank:
+the hidden states after each all-reduce are the same bits on every rank.
+
+The output layer (lm_head, or a copy of the tied embedding's rows) is split by vocabulary: each
+rank computes the logits of its contiguous slice of it from the same hidden rows (rank 0 sends the
+rows in each step, tp_comm.StepChannel), and rank 0 gathers the slices into the whole logits
+(tp_comm.LogitsGather). A logit is one row's dot product with one weight row, so the split
+changes no bits: the int8 activation row's scale is over the hidden size, which it does not cut.
 
 Dense (fp32, bf16-stored) weights are sliced by rows or columns; quantized tiles
 (quant_tiles.py) by whole tiles of rows and whole groups of inputs, without dequantizing.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -28,6 +34,7 @@ from engine_worker.model.layers.attention import Attention
 from engine_worker.model.layers.mlp import GatedMLP
 from engine_worker.model.quant_layers import QuantLinear
 from engine_worker.model.quant_tiles import TILE_ROWS
+from engine_worker.model.tp_comm import LogitsGather, Region
 
 MLP_UNIT = 32       # the intermediate features split in runs of a quantization group
 
@@ -35,10 +42,11 @@ MLP_UNIT = 32       # the intermediate features split in runs of a quantization 
 @dataclass(frozen=True, slots=True)
 class TPRank:
     """One rank of a tensor-parallel model: `handle` names its all-reduce communicator
-    (tp_comm.ShmComm) in this process."""
+    (tp_comm.ShmComm) in this process; `logits` is the region of the logits' gather."""
     rank: int
     world: int
     handle: int
+    logits: Region
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +147,28 @@ def shard_model(model: nn.Module, tp: TPRank) -> None:
         for module in (attn, mlp):
             module.__class__ = PARALLEL[type(module)]
             module.tp_handle = tp.handle
+    _shard_output(model, tp)
+
+
+def vocab_split(vocab: int, world: int) -> list[int]:
+    """Each rank's first row of the output layer, then `vocab`: as even as whole quantized tiles go."""
+    return [min(vocab, round(r * vocab / world / TILE_ROWS) * TILE_ROWS) for r in range(world)] + [vocab]
+
+
+def _shard_output(model: nn.Module, tp: TPRank) -> None:
+    """The output layer cut to the rank's rows of the vocabulary, its logits gathered to rank 0.
+    A tied one becomes a layer of its own: the embedding's lookup needs every row."""
+    edges = vocab_split(model.cfg.vocab_size, tp.world)
+    first, end = edges[tp.rank], edges[tp.rank + 1]
+    if model.lm_head is None:
+        weight = model.embed_tokens.weight
+        head = nn.Linear(weight.shape[1], end - first, bias=False, dtype=weight.dtype, device=weight.device)
+        head.weight = nn.Parameter(weight[first:end].clone(), requires_grad=False)
+    else:
+        head = copy.deepcopy(model.lm_head) if model.cfg.tie_word_embeddings else model.lm_head
+        head = take_rows(head, np.arange(first, end))
+    model.lm_head = head
+    model.logits_gather = LogitsGather(tp.logits, tp.handle, tp.rank, edges)
 
 
 def _shard_attention(attn: Attention, tp: TPRank) -> None:
@@ -225,10 +255,14 @@ def take_columns(linear: nn.Module, first: int, count: int, keep_bias: bool) -> 
 
 
 def _quant_rows(linear: QuantLinear, rows: np.ndarray) -> None:
-    """Whole tiles of TILE_ROWS rows: each run of the selection must start and end on a tile."""
-    runs = rows.reshape(-1, TILE_ROWS) if len(rows) % TILE_ROWS == 0 else None
+    """Whole tiles of TILE_ROWS rows: each run of the selection must start and end on a tile, or
+    end at the last row, in the last tile's padding."""
+    n, tiles = linear.fmt.n, linear.tiles.shape[0]
+    pad = -len(rows) % TILE_ROWS if len(rows) and rows[-1] == n - 1 else 0
+    padded = np.concatenate([rows, np.arange(n, n + pad)])
+    runs = padded.reshape(-1, TILE_ROWS) if len(padded) % TILE_ROWS == 0 else None
     if (runs is None or np.any(runs[:, 0] % TILE_ROWS) or np.any(np.diff(runs, axis=1) != 1)
-            or runs[-1, -1] >= linear.fmt.n):
+            or runs[-1, -1] >= tiles * TILE_ROWS):
         raise ValueError(f"tensor parallelism: a quantized projection of {linear.fmt.n} rows does not split "
                          f"along whole tiles of {TILE_ROWS} rows")
     linear.tiles = linear.tiles[torch.from_numpy(runs[:, 0] // TILE_ROWS)].contiguous()

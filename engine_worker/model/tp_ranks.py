@@ -25,7 +25,7 @@ import torch
 from engine_worker.model.cpu_binding import rank_cpus
 from engine_worker.model.lora_layers import LoraBatch
 from engine_worker.model.tensor_parallel import TPRank
-from engine_worker.model.tp_comm import CHANNEL_BYTES, Region, ShmComm, StepChannel
+from engine_worker.model.tp_comm import CHANNEL_BYTES, LogitsGather, Region, ShmComm, StepChannel
 from kernels.interface import AttentionMetadata
 from shared.config import EngineConfig
 
@@ -48,6 +48,7 @@ class RankGroup:
         cpus = rank_cpus(config.cpu_binding, world)
         self.comm_region = Region.create("kaiten-tp-allreduce", ShmComm.region_bytes(world))
         self.channel_region = Region.create("kaiten-tp-steps", CHANNEL_BYTES)
+        self.logits_region = Region.create("kaiten-tp-logits", LogitsGather.region_bytes(world))
         self.procs: list[subprocess.Popen] = []
         writes, acks = [], []
         self._closing = False
@@ -58,11 +59,12 @@ class RankGroup:
             cmd = [sys.executable, "-m", "engine_worker.tp_rank", "--rank", str(rank), "--world", str(world),
                    "--comm-fd", str(self.comm_region.fd), "--comm-bytes", str(self.comm_region.size),
                    "--channel-fd", str(self.channel_region.fd), "--channel-bytes", str(self.channel_region.size),
+                   "--logits-fd", str(self.logits_region.fd), "--logits-bytes", str(self.logits_region.size),
                    "--pipe-fd", str(read_end), "--ack-fd", str(ack_write), "--parent", str(os.getpid()),
                    "--model-dir", model_dir,
                    "--cpus", ",".join(map(str, cpus[rank])) if cpus else "", "--config", child_config]
             self.procs.append(subprocess.Popen(cmd, pass_fds=(self.comm_region.fd, self.channel_region.fd,
-                                                                       read_end, ack_write)))
+                                                                       self.logits_region.fd, read_end, ack_write)))
             os.close(read_end)
             os.close(ack_write)
             writes.append(write_end)
@@ -70,7 +72,7 @@ class RankGroup:
         self._affinity = os.sched_getaffinity(0)      # restored at close (an offline LLM's process goes on)
         pin(cpus[0] if cpus else None)
         self.comm = ShmComm(self.comm_region, 0, world)
-        self.tp = TPRank(0, world, self.comm.handle)
+        self.tp = TPRank(0, world, self.comm.handle, self.logits_region)
         self.channel = StepChannel(self.channel_region, writes, acks)
         self._watcher = threading.Thread(target=self._watch, name="kaiten-tp-watch", daemon=True)
         self._watcher.start()
@@ -79,8 +81,8 @@ class RankGroup:
                  " | ".join(",".join(map(str, c)) for c in cpus) if cpus else "not pinned")
 
     def send(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-             lora: LoraBatch | None) -> None:
-        self.channel.send(ids, positions, meta, lora)
+             lora: LoraBatch | None, rows: torch.Tensor, prompt_rows: torch.Tensor | None) -> None:
+        self.channel.send(ids, positions, meta, lora, rows, prompt_rows)
 
     def call(self, name: str, *args) -> None:
         """Every other rank's runner runs `name`(*args) (tp_rank.py); returns once they have."""

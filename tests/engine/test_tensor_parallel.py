@@ -1,18 +1,23 @@
 """Tensor parallelism on the CPU (--tensor-parallel-size): an engine over 2 (or 4) rank processes
 gives the greedy fp32 tokens of one process and of Hugging Face, for the tiny model of every
 family, eager and compiled; bf16-stored weights too; quantized weights within a stated tolerance of
-one process; KV heads replicated where there are fewer than ranks; and what it cannot do yet is
-refused in one line."""
+one process; the output layer split by vocabulary, its gathered logits the whole layer's bits; KV
+heads replicated where there are fewer than ranks; and what it cannot do yet is refused in one
+line."""
 from __future__ import annotations
 
 import json
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
+from engine_worker.model.quant_layers import QuantLinear
+from engine_worker.model.tensor_parallel import take_rows, vocab_split
 from kernels.cpu_ops_build import cpu_ops_available
+from shared.gguf_quant import PackedWeight
 from tests.support.gguf_files import write_llama_gguf
 from tests.support.llm_support import greedy, hf_greedy, make_llm, make_prompts
 from tests.support.tiny_model import FAMILIES, build_tiny_family, build_tiny_model
@@ -101,6 +106,66 @@ def test_quantized_tiles_split_within_tolerance(tmp_path, monkeypatch):
              for x, y in zip(a.prompt_logprobs[1:] + a.logprobs, b.prompt_logprobs[1:] + b.logprobs)]
     assert max(diffs) < QUANT_MAX_LOGPROB_DIFF, max(diffs)
     assert [c.token_ids for c in one] == [c.token_ids for c in two]
+
+
+def record_logits(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every compute_logits call of rank 0 from now on: (its hidden rows, the gathered logits)."""
+    model, calls = llm.engine.runner.model, []
+    gathered = model.compute_logits
+
+    def record(hidden):
+        logits = gathered(hidden)
+        calls.append((hidden.clone(), logits.clone()))
+        return logits
+    model.compute_logits = record
+    return calls
+
+
+def output_rows(model) -> int:
+    return model.lm_head(torch.zeros(1, model.cfg.hidden_size)).shape[1]
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp32-tied", "bf16-tied", "q4_1-tied"])
+def test_output_layer_split_by_vocabulary(weights, tmp_path, monkeypatch):
+    """Rank 0 holds half the output layer's rows, rank 1 the rest; rank 0's gathered logits
+    (sampled rows, prompt-logprob rows, a chunked prefill's steps without either) are the bits of
+    one process's whole output layer on the same hidden rows, and the tokens one process's."""
+    monkeypatch.setenv("KAITEN_MODELS_DIR", str(tmp_path / "models"))
+    model_dir = build_tiny_model(tmp_path / "hf", tie_word_embeddings=weights != "fp32",
+                                 dtype="bfloat16" if weights == "bf16-tied" else "float32")
+    if weights == "q4_1-tied":
+        model_dir = write_llama_gguf(model_dir, tmp_path / "tiny-llama.Q4_1.gguf", qtype="Q4_1", embed_qtype="Q8_0")
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0)
+    prompts = [PROMPTS, [make_prompts(384)[13]]]         # then 150 tokens alone, in steps of 40
+    kw = dict(dtype="float32", kv_cache_memory=8 * 2**20, enforce_eager=True, max_num_batched_tokens=40)
+    one = LLM(str(model_dir), **kw)
+    expected = [[c.token_ids for c in one.generate(p, params)] for p in prompts]
+    whole = one.engine.runner.model
+    with ranks(LLM(str(model_dir), tensor_parallel_size=2, **kw)) as llm:
+        model = llm.engine.runner.model
+        assert model.cfg.vocab_size % 2 == 0 and output_rows(model) == model.cfg.vocab_size // 2
+        assert output_rows(whole) == model.cfg.vocab_size
+        calls = record_logits(llm)
+        assert [[c.token_ids for c in llm.generate(p, params)] for p in prompts] == expected
+    assert any(h.shape[0] == 0 for h, _ in calls) and any(h.shape[0] > 1 for h, _ in calls)
+    for hidden, logits in calls:
+        assert torch.equal(logits, whole.compute_logits(hidden))
+
+
+def test_vocabulary_slices_of_a_quantized_layer_on_whole_tiles():
+    """10 rows over 2 ranks: rows 0-3 (one tile) and 4-9 (a tile, then the last one's 2 rows and
+    its padding); each slice's outputs are the whole layer's columns, bit for bit."""
+    rng = np.random.default_rng(0)
+    packed = PackedWeight(rng.integers(-127, 128, (10, 64), dtype=np.int8), rng.random((10, 2), np.float32), None)
+    x = torch.randn(3, 64)
+    whole = QuantLinear(packed)(x)
+    edges = vocab_split(10, 2)
+    assert edges == [0, 4, 10]
+    for first, end in zip(edges, edges[1:]):
+        part = take_rows(QuantLinear(packed), np.arange(first, end))
+        assert part.fmt.n == end - first and torch.equal(part(x), whole[:, first:end])
+    with pytest.raises(ValueError, match="whole tiles"):
+        take_rows(QuantLinear(packed), np.arange(2, 10))
 
 
 @pytest.mark.parametrize("overrides, message", [
