@@ -215,6 +215,9 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+READY_POLL_S = 0.1
+
+
 def wait_http_ready(url: str, sup: Supervisor, timeout: float, on_wait=None) -> bool:
     """Poll ``url`` until it answers 2xx; False if a child dies, a stop is asked or time runs out.
     `on_wait()` runs between polls."""
@@ -226,7 +229,7 @@ def wait_http_ready(url: str, sup: Supervisor, timeout: float, on_wait=None) -> 
             return True
         if on_wait is not None:
             on_wait()
-        sup.stopping.wait(0.25)
+        sup.stopping.wait(READY_POLL_S)
     return False
 
 

@@ -97,6 +97,9 @@ def _group_lag(groups: Any) -> int | None:
     return None
 
 
+STARTING_POLL_S = 0.05
+
+
 class EngineMonitor:
     def __init__(self, client, engine_timeout: float, poll_interval: float | None = None):
         self.r = client
@@ -270,7 +273,9 @@ class EngineMonitor:
         while True:
             try:
                 await self.poll_once()
-                backoff = self.poll_interval
+                # Until an engine is live, poll faster: /ready (and a start-up's wait for it) sees
+                # the first one within STARTING_POLL_S of its first heartbeat.
+                backoff = self.poll_interval if self.live_engines() else min(self.poll_interval, STARTING_POLL_S)
             except asyncio.CancelledError:
                 raise
             except Exception as e:

@@ -89,7 +89,10 @@ def test_bf16_stored_weights(tmp_path):
 # projections take whole groups of 32 inputs each (a group keeps its scale), so the two differ only
 # in the order of the sums (each rank's partial sum, then the all-reduce). Measured (Zen 3, this
 # test): 207 prompt and decode logprobs max 5.1e-4 apart, mean 2.7e-6, every greedy token equal.
-QUANT_MAX_LOGPROB_DIFF = 2e-3
+# On Zen 4 (AVX-512 VNNI/BF16 kernels) the prompt logprobs were up to 4.1e-3 apart, the decode ones
+# 1.9e-6, before and after the output layer's split by vocabulary; quantization's own error is
+# larger than either.
+QUANT_MAX_LOGPROB_DIFF = 1e-2
 
 
 def test_quantized_tiles_split_within_tolerance(tmp_path, monkeypatch):
