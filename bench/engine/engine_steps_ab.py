@@ -16,7 +16,7 @@ the working tree is faster). KAITEN_CPU_ISA (kernels/cpu_ops_build.py) picks the
 for both, e.g. avx2 to time an AVX2 CPU's code on an AVX-512 one.
 
     .venv/bin/python bench/engine/engine_steps_ab.py --base REV [--model GGUF] [--dtype float32] [--batch 32]
-        [--context 256] [--prompts 4] [--rounds 2] [--out NAME]
+        [--context 256] [--prompts 4] [--rounds 2] [--no-deterministic] [--out NAME]
 
 Writes bench/results/engine_steps_ab/<NAME>.{md,json} (default engine_steps_ab).
 """
@@ -48,8 +48,11 @@ def measure(args) -> dict:
     from engine_worker import LLM, SamplingParams
     from shared.gguf_convert import ensure_converted_gguf, ensure_default_model
     model = str(ensure_converted_gguf(args.model) if args.model.endswith(".gguf") else args.model or ensure_default_model())
+    from shared.config import EngineConfig
+    extra = {"deterministic": False} if args.no_deterministic and "deterministic" in EngineConfig.__dataclass_fields__ \
+        else {}
     llm = LLM(model, dtype=args.dtype, quantization="auto", enable_prefix_caching=False, max_num_seqs=64,
-              max_num_batched_tokens=args.prompts * args.context, kv_cache_memory="512MiB")
+              max_num_batched_tokens=args.prompts * args.context, kv_cache_memory="512MiB", **extra)
     rng = random.Random(0)
     vocab = llm.engine.vocab_size
     prompt = lambda: [rng.randrange(100, vocab) for _ in range(args.context)]   # noqa: E731
@@ -103,6 +106,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="engine_steps_ab")
+    ap.add_argument("--no-deterministic", action="store_true",
+                    help="batch-invariant numerics off, in a tree whose engine has them (docs/deterministic.md)")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
@@ -113,7 +118,7 @@ def main() -> int:
     from bench.common.timing import interleaved
     from kernels.cpu_ops_build import cpu_capability
     argv = ["--model", args.model, "--dtype", args.dtype, "--batch", str(args.batch), "--context",
-            str(args.context), "--prompts", str(args.prompts)]
+            str(args.context), "--prompts", str(args.prompts)] + ["--no-deterministic"] * args.no_deterministic
     trees = {"base": worktree(args.base), "working tree": ROOT}
     load0 = load_avg()
     runs: dict[str, list[dict]] = interleaved(trees, args.rounds, lambda name: run_in(trees[name], argv))
