@@ -46,6 +46,12 @@ if [ ! -f "$stamp" ]; then
 else
   build_kernels
 fi
+# The default model (or $KAITEN_MODEL) fetched and converted beside the kernels' build, so `kaiten
+# serve` finds it (6 s of a fresh start: bench/results/cold_start/README.md).
+PYTHONPATH="$PWD" .venv/bin/python -m shared.cli convert >.venv/kaiten-model.log 2>&1 &
+model_pid=$!
 # its one line: where the ops are, or what failed (the engine then runs on torch's ops)
 wait "$kernels_pid" || echo "setup: the engine will use torch's ops instead (full log: .venv/kaiten-kernels.log)" >&2
 grep '^kaiten kernels:' .venv/kaiten-kernels.log >&2 || tail -n 5 .venv/kaiten-kernels.log >&2
+wait "$model_pid" && echo "setup: model ready in $(tail -n 1 .venv/kaiten-model.log)" >&2 \
+  || echo "setup: the model could not be prepared now; kaiten serve will try again (log: .venv/kaiten-model.log)" >&2

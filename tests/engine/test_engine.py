@@ -121,7 +121,7 @@ def test_models_of_one_structure_share_one_compiled_forward(tiny_model_dir, prom
     assert [c.token_ids for c in first.generate(prompts[:4], greedy())] == expected[:4]
 
 
-def test_compiled_graph_takes_one_size_per_length(tiny_model_dir, prompts, expected, monkeypatch):
+def test_compiled_graph_takes_one_size_per_length(tiny_model_dir, prompts, expected, monkeypatch, tmp_path):
     """The compiled forward's dynamic sizes are one per length, not one per tensor: the token
     count (ids, positions, slots), the batch (cu_seqlens_q's B+1; seqlens_k and the block
     tables' B), the tables' width and the KV pool's blocks, every layer's K and V pool alike
@@ -136,7 +136,8 @@ def test_compiled_graph_takes_one_size_per_length(tiny_model_dir, prompts, expec
         inputs.append(example_inputs)
         return compile_fx(gm, example_inputs, *args, **kwargs)
     monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
-    monkeypatch.setattr(compiled_forward, "COMPILED_LAYER_CACHE", {})   # a fresh trace
+    monkeypatch.setattr(compiled_forward, "COMPILED_LAYER_CACHE", {})   # a fresh trace, not one
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))   # loaded from Dynamo's cache
     llm = make_llm(tiny_model_dir)
     assert len(llm.engine.runner.kv_caches) == 2 and inputs     # (cpp_wrapper compiles re-enter compile_fx)
     sizes = [x for x in inputs[0] if isinstance(x, (int, torch.SymInt))]
