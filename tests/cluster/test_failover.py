@@ -9,7 +9,6 @@ import json
 import signal
 import threading
 import time
-from collections import Counter
 
 import httpx
 import pytest
@@ -17,8 +16,8 @@ import pytest
 from shared import names
 from tests.support.engine_cluster import (CHAT, CHAT_TOKENS, N_TOKENS, PROMPTS, STEP_S, check_sequences,
                                           check_streams, check_survivor_ran_no_claimed_entry,
-                                          kill_time_to_next_token, run_sse_clients, two_engines_and_a_gateway,
-                                          wait_engines)
+                                          kill_time_to_next_token, run_sse_clients, streams_under_way,
+                                          two_engines_and_a_gateway, wait_engines)
 from tests.support.engine_support import WorkerThread, slow_steps, wait_until
 from tests.support.gateway_support import start_gateway
 from tests.support.redis_server import RedisServer
@@ -30,11 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_sigkill_of_the_busier_engine_16_streams_complete_unchanged(tiny_model_dir, tmp_path, reference):
     with two_engines_and_a_gateway(tiny_model_dir, tmp_path) as st:
         wait_engines(st, ["eng-a", "eng-b"])
-        out: dict = {}
-        clients = run_sse_clients(st.srv.url, PROMPTS, out)
-        wait_until(lambda: len(st.tap.tokens_so_far()) == 16 and min(st.tap.tokens_so_far().values()) >= 10,
-                   60, 0.01, "16 streams with 10 tokens each")
-        placed = Counter(st.tap.engine_of().values())
+        clients, out, placed = streams_under_way(st, PROMPTS, 60)
         victim = placed.most_common(1)[0][0]
         survivor = "eng-b" if victim == "eng-a" else "eng-a"
         st.procs[victim].send_signal(signal.SIGKILL)
@@ -108,12 +103,7 @@ def test_sigkill_through_the_openai_sdk_and_the_websocket_chat(tiny_model_dir, t
 def test_sigterm_under_load_hands_off_and_exits_within_5s(tiny_model_dir, tmp_path, reference):
     with two_engines_and_a_gateway(tiny_model_dir, tmp_path) as st:
         wait_engines(st, ["eng-a", "eng-b"])
-        out: dict = {}
-        prompts = PROMPTS[:8]
-        clients = run_sse_clients(st.srv.url, prompts, out)
-        wait_until(lambda: len(st.tap.tokens_so_far()) == 8 and min(st.tap.tokens_so_far().values()) >= 10,
-                   60, 0.01, "8 streams with 10 tokens each")
-        placed = Counter(st.tap.engine_of().values())
+        clients, out, placed = streams_under_way(st, PROMPTS[:8], 60)
         victim = placed.most_common(1)[0][0]
         st.procs[victim].send_signal(signal.SIGTERM)
         t_term = time.monotonic()

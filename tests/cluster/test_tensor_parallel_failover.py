@@ -7,16 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from engine_worker.model.tp_ranks import EXIT_RANK_DIED
 from kernels.cpu_ops_build import cpu_ops_available
-from tests.support.engine_cluster import (N_TOKENS, PROMPTS, check_sequences, check_streams, run_sse_clients,
+from tests.support.engine_cluster import (N_TOKENS, PROMPTS, check_sequences, check_streams, streams_under_way,
                                           two_engines_and_a_gateway, wait_engines)
-from tests.support.engine_support import wait_until
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")]
@@ -43,11 +41,7 @@ def children(pid: int) -> list[int]:
 def test_sigkill_of_a_rank_fails_its_streams_over(tiny_model_dir, tmp_path, tp_reference):
     with two_engines_and_a_gateway(tiny_model_dir, tmp_path, engine_args=TP_ARGS) as st:
         wait_engines(st, ["eng-a", "eng-b"], timeout=240)
-        out: dict = {}
-        clients = run_sse_clients(st.srv.url, PROMPTS, out)
-        wait_until(lambda: len(st.tap.tokens_so_far()) == 16 and min(st.tap.tokens_so_far().values()) >= 10,
-                   600, 0.01, "16 streams with 10 tokens each")
-        placed = Counter(st.tap.engine_of().values())
+        clients, out, placed = streams_under_way(st, PROMPTS, 600)
         victim = placed.most_common(1)[0][0]
         engine = st.procs[victim]
         (rank1,) = children(engine.pid)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,18 @@ def run_sse_clients(url: str, prompts: list[list[int]], out: dict) -> threading.
     t = threading.Thread(target=target, daemon=True, name="sse-clients")
     t.start()
     return t
+
+
+def streams_under_way(st: Stack, prompts: list[list[int]], timeout: float, tokens: int = 10
+                      ) -> tuple[threading.Thread, dict, Counter]:
+    """run_sse_clients over `prompts`, returned once every stream has `tokens` tokens: the clients'
+    thread, the dict their results go to, and how many streams each engine serves."""
+    out: dict = {}
+    clients = run_sse_clients(st.srv.url, prompts, out)
+    n = len(prompts)
+    wait_until(lambda: len(st.tap.tokens_so_far()) == n and min(st.tap.tokens_so_far().values()) >= tokens,
+               timeout, 0.01, f"{n} streams with {tokens} tokens each")
+    return clients, out, Counter(st.tap.engine_of().values())
 
 
 def kill_time_to_next_token(st: Stack, victim: str, t_signal: float) -> dict[str, float]:
