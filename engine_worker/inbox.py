@@ -3,7 +3,11 @@ control messages (adapters to load or unload).
 
 Readers ``put_*``; the loop ``take()``s everything at the top of each step. The request reader
 reads no more entries than the loop's last ``set_capacity``, minus what waits here or was taken
-since, so an engine never takes requests it has no room for (other engines can serve them)."""
+since, so an engine never takes requests it has no room for (other engines can serve them).
+
+An entry put here stays *in hand* until the loop ``release()``s it, once the round that deleted it
+from its stream (XACK + XDEL) has completed: the janitor never re-claims an entry in hand as an
+orphan, however long its request or its deletion takes."""
 from __future__ import annotations
 
 import threading
@@ -48,10 +52,14 @@ class Inbox:
         self._cond = threading.Condition()
         self._box = Arrivals()
         self._capacity = 0
+        self._in_hand: set[tuple[str, bytes]] = set()     # (stream, entry id)
         self.wake = threading.Event()        # set by every put: the idle loop waits on it
 
     def put_entries(self, entries: list[StreamEntry]) -> None:
-        self._put(lambda b: b.entries.extend(entries), bool(entries))
+        def add(box: Arrivals) -> None:
+            box.entries.extend(entries)
+            self._in_hand.update((e.stream, e.entry_id) for e in entries)
+        self._put(add, bool(entries))
 
     def put_aborts(self, request_ids: list[str]) -> None:
         self._put(lambda b: b.aborts.extend(request_ids), bool(request_ids))
@@ -78,9 +86,16 @@ class Inbox:
             self.wake.clear()
         return box
 
-    def entry_ids(self) -> set[tuple[str, bytes]]:
+    def in_hand(self) -> set[tuple[str, bytes]]:
+        """(stream, entry id) of every entry put here and not yet released."""
         with self._cond:
-            return {(e.stream, e.entry_id) for e in self._box.entries}
+            return set(self._in_hand)
+
+    def release(self, deleted: list[tuple[str, bytes]]) -> None:
+        """(loop) These entries are deleted from their streams: no longer in hand."""
+        if deleted:
+            with self._cond:
+                self._in_hand.difference_update(deleted)
 
     def set_capacity(self, n: int) -> None:
         with self._cond:

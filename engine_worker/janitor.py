@@ -15,7 +15,6 @@ import threading
 
 import redis
 
-from engine_worker.held import HeldRequests
 from engine_worker.inbox import Inbox, StreamEntry
 from engine_worker.stream_reader import delete_if_empty, ensure_group, read_entries, to_bytes
 from engine_worker.worker_stats import Counters
@@ -28,9 +27,8 @@ CLAIM_COUNT = 100
 
 
 class Janitor:
-    def __init__(self, client: redis.Redis, inbox: Inbox, held: HeldRequests, cfg: WorkerConfig,
-                 counters: Counters, model: str):
-        self.r, self.inbox, self.held, self.cfg, self.counters = client, inbox, held, cfg, counters
+    def __init__(self, client: redis.Redis, inbox: Inbox, cfg: WorkerConfig, counters: Counters, model: str):
+        self.r, self.inbox, self.cfg, self.counters = client, inbox, cfg, counters
         self.model_stream = names.request_stream(model)
         self.engine_id = ""
         self._stop = threading.Event()
@@ -60,7 +58,7 @@ class Janitor:
             claimed += self._claim_dead_consumers(stream)
         for stream, engine_id in dead.items():
             claimed += self._take_unread(stream, engine_id)
-        mine = {(h.stream, h.entry_id) for h in self.held.view} | self.inbox.entry_ids()
+        mine = self.inbox.in_hand()
         for stream in streams:
             claimed += self._claim(stream, self.engine_id, mine)
         return claimed

@@ -89,7 +89,7 @@ class EngineWorker:
         self.controls = Controls(engine)
         self.heartbeat = Heartbeat(self._client("heartbeat"), self.instance, cfg.heartbeat_interval,
                                    cfg.heartbeat_ttl, cfg.loop_stall_timeout, self._static_facts())
-        self.janitor = Janitor(self._client("janitor"), self.inbox, self.held, cfg, self.counters, self.model)
+        self.janitor = Janitor(self._client("janitor"), self.inbox, cfg, self.counters, self.model)
         self.orphans = OrphanWatch(self._client("orphans"), self.inbox, self.held, cfg.orphan_check_interval)
         self.step_stats = LatencyStats()        # engine.step() wall time
         self.round_stats = LatencyStats()       # the per-step Redis round trip (on the I/O thread)
@@ -357,6 +357,7 @@ class EngineWorker:
             self.redis_up, self._backoff = True, 0.0
         for err in res.command_errors:
             log.warning("Redis round: %s", err)
+        self.inbox.release(res.sent.done_entries)
         self.counters.add("messages", len(res.sent.messages))
         self.round_stats.add(res.rtt)
         self.metrics.round_time.observe(res.rtt)
