@@ -144,9 +144,10 @@ def _build_lock(build_dir: Path):
 
 
 def _ninja() -> str:
-    """ninja from PATH, else the pip package's binary beside the venv's python (not on PATH when
-    the venv is not activated)."""
-    found = shutil.which("ninja") or shutil.which("ninja", path=str(Path(sys.executable).parent))
+    """The pinned pip package's binary beside the venv's python, else ninja from PATH. The pinned
+    one first, whatever PATH says: ninja versions write different build logs, and one that meets
+    another's log starts over, compiling every object again (Debian's 1.11 against the pin's 1.13)."""
+    found = shutil.which("ninja", path=str(Path(sys.executable).parent)) or shutil.which("ninja")
     if found is None:
         raise RuntimeError("ninja is not installed (pip install ninja, or apt-get install ninja-build)")
     return found
