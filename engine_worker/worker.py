@@ -191,8 +191,9 @@ class EngineWorker:
                     self.step_stats.add(dt)
                     self.metrics.step_time.observe(dt)
                     self._route(outputs)
+                    idle_work = False
                 else:
-                    engine.between_steps()
+                    idle_work = engine.between_steps()
                 self.held.publish()
                 self.inbox.set_capacity(engine.free_capacity() if self.accepting else 0)
                 stats = self._live_stats()
@@ -200,7 +201,7 @@ class EngineWorker:
                 self._publish_blocks()
                 self.metrics.update(stats)
                 self._flush()
-                if not engine.has_unfinished():
+                if not engine.has_unfinished() and not idle_work:
                     self.inbox.wait(0.01 if self._has_outgoing() else 0.1)
                 if time.monotonic() - last_log > LOG_INTERVAL:
                     last_log = time.monotonic()

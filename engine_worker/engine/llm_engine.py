@@ -34,6 +34,10 @@ from shared.startup_stages import StartupStages
 
 log = logging.getLogger(__name__)
 
+# An idle engine's slice of KV page backing (between_steps): what a request arriving meanwhile
+# waits for at most (about 8 pages at 1.3 ms each on a 2-core Zen 4 under KVM).
+PREFAULT_SLICE_S = 0.01
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -274,10 +278,12 @@ class LLMEngine:
             return 0
         return max(0, s.max_num_seqs - len(s.running) - len(s.waiting) - len(self.structured.pending))
 
-    def between_steps(self) -> None:
+    def between_steps(self) -> bool:
         """What an idle engine does at a step boundary: switch to the compiled forward where the
-        background has loaded it (every forward pass does the same first)."""
+        background has loaded it (every forward pass does the same first), then back a slice of
+        the KV cache's pages. True while such idle work remains (the caller comes back soon)."""
         self.runner.take_compiled()
+        return self.runner.prefault_kv(PREFAULT_SLICE_S)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_outputs) or bool(self.structured.pending)

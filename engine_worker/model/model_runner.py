@@ -13,7 +13,7 @@ from engine_worker.model.background_compile import BackgroundCompile
 from engine_worker.model.compiled_forward import CompiledForward
 from engine_worker.model.cuda_graphs import DecodeGraphRunner
 from engine_worker.model.dtype_choice import DEFAULT_SHAPES, cpu_auto_dtype
-from engine_worker.model.host_memory import onto_huge_pages, zeros_on_huge_pages
+from engine_worker.model.host_memory import Prefault, onto_huge_pages, zeros_on_huge_pages
 from engine_worker.model.causal_lm import without_random_init
 from engine_worker.model.checkpoint import stored_in_bf16
 from engine_worker.model.config import ModelConfig
@@ -112,6 +112,7 @@ class ModelRunner:
             self.kv_dtype = self._kv_cache_dtype(self._quantized)
             self.num_blocks = self._num_blocks(self._kv_budget())
             self.kv_caches = self._allocate_kv_cache()
+            self.kv_prefault = Prefault([t for kv in self.kv_caches for t in kv] if self.device.type == "cpu" else [])
         self.graphs: DecodeGraphRunner | None = None
         self._lora_compiled = False
         self.compiled: CompiledForward | None = None
@@ -331,6 +332,18 @@ class ModelRunner:
 
     def _own_backend(self):
         return get_attention_backend(self.config.attention_backend, self.device, self.config.deterministic)
+
+    def prefault_kv(self, budget_s: float) -> bool:
+        """Back about budget_s worth of the KV cache's pages not yet backed (Prefault), on every
+        rank at once; True while some remain."""
+        if self.kv_prefault.done:
+            return False
+        if self.ranks is not None:
+            self.ranks.channel.send_start("prefault_kv", budget_s)
+        more = self.kv_prefault.run(budget_s)
+        if self.ranks is not None:
+            self.ranks.channel.wait_acks("prefault_kv")
+        return more
 
     def take_compiled(self) -> None:
         """At a step boundary, the graphs the background has loaded: the whole forward switches

@@ -59,6 +59,23 @@ def test_two_ranks_match_one_and_hf(family, tmp_path):
         assert tokens(llm, prompts, greedy(16)) == one == expected
 
 
+def test_idle_ranks_back_their_kv_pages_and_keep_cached_blocks(tiny_model_dir):
+    """An idle engine backs its KV cache's pages on every rank (between_steps, a slice a call);
+    blocks the prefix cache holds keep their contents: the same prompts after it give the same
+    tokens, read from the cache."""
+    with ranks(make_llm(tiny_model_dir, "eager", tensor_parallel_size=2, kv_cache_memory=32 * 2**20)) as llm:
+        first = tokens(llm, PROMPTS, greedy(8))
+        prefault = llm.engine.runner.kv_prefault
+        assert prefault.tensors and not prefault.done
+        slices = 1
+        while llm.engine.runner.prefault_kv(0.0):      # a page a call, on both ranks
+            slices += 1
+        assert prefault.done and slices == len(prefault.tensors) * -(-prefault.size // (2 << 20))
+        assert not llm.engine.between_steps()           # nothing left for an idle engine
+        assert tokens(llm, PROMPTS, greedy(8)) == first
+        assert llm.engine.stats().prefix_cache_hits > 0
+
+
 def test_compiled_ranks_with_speculation_match_hf(tmp_path):
     model_dir = build_tiny_family(tmp_path, "qwen3")
     expected = hf_expected(model_dir, PROMPTS)
