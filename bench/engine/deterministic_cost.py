@@ -1,6 +1,9 @@
-"""The engine's steps with --deterministic (the default) against --no-deterministic, in one
-process: two engines on the same model, their rounds alternating (the order reversed every other
-round), medians over the rounds. Per engine and round:
+"""The engine's steps with --deterministic (the default) against --no-deterministic: each engine in
+its own process, the two alternating --rounds times (the order reversed every other round), medians
+over the rounds. (Two engines in one process were not a fair pair: on a 2-core Zen 4 they put the
+deterministic prefill at 1.09x in 7 rounds, separate processes at 1.03x in 2, and one-off runs of
+a process each way at 0.91x; a process's memory placement moves its steps by 10-30%.)
+Per process, after a round that warms up:
 
   decode   --batch random prompts of --context tokens prefilled, 5 untimed steps, then the median
            of 20 decode steps (ms a step; batch 1 is the TPOT of one stream);
@@ -18,8 +21,10 @@ Writes bench/results/batch_invariance/<NAME>.md (default deterministic_cost).
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,6 +73,22 @@ def prefill_ms(llm: LLM, n: int, context: int, vocab: int, rng: random.Random) -
     return statistics.median(times)
 
 
+def measure(args, deterministic: bool) -> dict[str, float]:
+    """One engine's steps (run in its own process): {step: ms}."""
+    llm = LLM(args.model, deterministic=deterministic, dtype=args.dtype, quantization=args.quantization,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+              max_num_batched_tokens=max(args.prompts * args.context, 1024))
+    vocab = llm.engine.runner.model_config.vocab_size
+    out = {}
+    for rnd in range(2):                                # round 0 warms up
+        rng = random.Random(rnd)
+        for b in (int(b) for b in args.batch.split(",")):
+            out[f"decode {b} x {args.context}"] = decode_ms(llm, b, args.context, vocab, rng)
+        out[f"prefill {args.prompts} x {args.context} (ms a token)"] = prefill_ms(llm, args.prompts, args.context,
+                                                                                  vocab, rng)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="")
@@ -79,37 +100,35 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="deterministic_cost")
+    ap.add_argument("--measure", choices=["deterministic", "no-deterministic"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    batches = [int(b) for b in args.batch.split(",")]
-    common = dict(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False,
-                  enforce_eager=args.enforce_eager, max_num_batched_tokens=max(args.prompts * args.context, 1024))
-    engines = {name: LLM(args.model, deterministic=flag, **common)
-               for name, flag in (("deterministic", True), ("no-deterministic", False))}
-    vocab = engines["deterministic"].engine.runner.model_config.vocab_size
+    if args.measure:
+        print(json.dumps(measure(args, args.measure == "deterministic")))
+        return
     load0 = load_avg()
     times: dict[tuple, list[float]] = {}
-    for rnd in range(args.rounds + 1):                  # round 0 warms up
-        order = list(engines.items()) if rnd % 2 else list(reversed(engines.items()))
-        for name, llm in order:
-            rng = random.Random(rnd)
-            for b in batches:
-                ms = decode_ms(llm, b, args.context, vocab, rng)
-                if rnd:
-                    times.setdefault((f"decode {b} x {args.context}", name), []).append(ms)
-            ms = prefill_ms(llm, args.prompts, args.context, vocab, rng)
-            if rnd:
-                times.setdefault((f"prefill {args.prompts} x {args.context} (ms a token)", name), []).append(ms)
+    argv = [a for a in sys.argv[1:]]
+    for rnd in range(args.rounds):
+        order = ["deterministic", "no-deterministic"] if rnd % 2 else ["no-deterministic", "deterministic"]
+        for name in order:
+            out = subprocess.run([sys.executable, __file__, *argv, "--measure", name], check=True,
+                                 capture_output=True, text=True)
+            for step, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                times.setdefault((step, name), []).append(ms)
+            print(name, {k[0]: v[-1] for k, v in times.items() if k[1] == name}, flush=True)
     med = {key: statistics.median(v) for key, v in times.items()}
     model = args.model or "the default model (SmolLM2-135M-Instruct Q4_1)"
-    lines = ["# The engine with --deterministic against --no-deterministic, in one process\n",
+    lines = ["# The engine with --deterministic against --no-deterministic, each in its own process\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), torch {torch.__version__}, {torch.get_num_threads()} "
              f"threads; load {load0} before, {load_avg()} after. {model}, quantization {args.quantization}, "
              f"dtype {args.dtype}, {'eager' if args.enforce_eager else 'compiled'}; medians of {args.rounds} "
-             "interleaved rounds. ratio: deterministic / no-deterministic.\n",
-             "| step | no-deterministic | deterministic | ratio |", "|---|---:|---:|---:|"]
+             "alternating rounds (each value: a process). ratio: deterministic / no-deterministic.\n",
+             "| step | no-deterministic (rounds) | deterministic (rounds) | ratio |", "|---|---:|---:|---:|"]
     for step in dict.fromkeys(k[0] for k in med):
         off, on = med[(step, "no-deterministic")], med[(step, "deterministic")]
-        lines.append(f"| {step} | {off:.3f} | {on:.3f} | {on / off:.3f} |")
+        rounds = lambda name: ", ".join(f"{v:.3f}" for v in times[(step, name)])  # noqa: E731
+        lines.append(f"| {step} | {off:.3f} ({rounds('no-deterministic')}) | {on:.3f} ({rounds('deterministic')}) "
+                     f"| {on / off:.3f} |")
     out = RESULTS / "batch_invariance" / f"{args.out}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -115,13 +115,14 @@ def _aligned_mapping(nbytes: int, advised: int, advice: int) -> tuple[mmap.mmap,
 
 class Prefault:
     """Backs the pages of tensors made by zeros_on_huge_pages(commit=False) before a step needs
-    them, a slice at a time (run) while the engine is idle: at first touch a step pays a fault per
-    2 MiB page, 4.4 ms each on a 2-core Zen 4 under KVM, 60 of them every fifth 1024-token prefill
-    until the pool has been gone through (prefill 1.09x the time; bench/results/kv_prefault).
-    MADV_POPULATE_WRITE backs a page without writing to it, so pages already holding cached blocks
-    keep them. Where the kernel lacks it (before 5.14), pages are backed at first touch as before.
-    Pages go in the order the tensors' offsets run, every tensor at an offset before the next
-    offset: the block allocator hands out blocks from the front of the pool."""
+    them, a slice at a time (run) while the engine is idle. At first touch a step pays a fault per
+    2 MiB page: on a 2-core Zen 4 under KVM, 60 of them (one per layer's K or V) in every fifth
+    1024-token prefill, ~0.27 s of that step, until the pool has been gone through; backed first,
+    prefill steps took 0.77x the time (bench/results/kv_prefault/README.md), and backing 512 MiB
+    took 0.86 s of idle time. MADV_POPULATE_WRITE backs a page without writing to it, so pages
+    already holding cached blocks keep them. Where the kernel lacks it (before 5.14), pages are
+    backed at first touch as before. Pages go in the order of their offsets, every tensor at an
+    offset before the next: the block allocator hands out blocks from the front of the pool."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = [t for t in tensors if t.data_ptr() % _HUGE_PAGE == 0 and t.untyped_storage().nbytes()]
