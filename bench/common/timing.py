@@ -1,8 +1,12 @@
 """The timing loops the benchmarks share."""
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 
 def median_ms(fn, runs: int, warmup: int = 3) -> tuple[float, float]:
@@ -25,6 +29,14 @@ def interleaved(names, rounds: int, run) -> dict:
         for name in (list(results) if r % 2 == 0 else list(results)[::-1]):
             results[name].append(run(name))
     return results
+
+
+def measure_in_process(script: str, argv: list[str], cwd: Path | None = None) -> dict:
+    """`script --measure *argv` in a new Python process (a fresh heap and memory placement each
+    time): the JSON object it prints last."""
+    out = subprocess.run([sys.executable, str(script), "--measure", *argv], check=True, capture_output=True,
+                         text=True, cwd=cwd)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def step_ms(llm, steps: int) -> float:

@@ -24,7 +24,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import RESULTS  # noqa: E402
+from bench.common.timing import interleaved, measure_in_process  # noqa: E402
 from engine_worker import LLM, SamplingParams  # noqa: E402
 
 
@@ -106,16 +106,9 @@ def main() -> None:
         print(json.dumps(measure(args, args.measure == "deterministic")))
         return
     load0 = load_avg()
-    times: dict[tuple, list[float]] = {}
-    argv = [a for a in sys.argv[1:]]
-    for rnd in range(args.rounds):
-        order = ["deterministic", "no-deterministic"] if rnd % 2 else ["no-deterministic", "deterministic"]
-        for name in order:
-            out = subprocess.run([sys.executable, __file__, *argv, "--measure", name], check=True,
-                                 capture_output=True, text=True)
-            for step, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
-                times.setdefault((step, name), []).append(ms)
-            print(name, {k[0]: v[-1] for k, v in times.items() if k[1] == name}, flush=True)
+    runs = interleaved(["no-deterministic", "deterministic"], args.rounds,
+                       lambda name: measure_in_process(__file__, [name, *sys.argv[1:]]))
+    times = {(step, name): [r[step] for r in rs] for name, rs in runs.items() for step in rs[0]}
     med = {key: statistics.median(v) for key, v in times.items()}
     model = args.model or "the default model (SmolLM2-135M-Instruct Q4_1)"
     lines = ["# The engine with --deterministic against --no-deterministic, each in its own process\n",

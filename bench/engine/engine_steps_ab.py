@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common.results_files import results_dir  # noqa: E402
+from bench.common.timing import measure_in_process  # noqa: E402
 
 RESULTS = results_dir(__file__)
 TREES = Path.home() / ".cache" / "kaiten" / "engine_steps_ab"
@@ -91,9 +92,7 @@ def worktree(rev: str) -> Path:
 
 
 def run_in(tree: Path, argv: list[str]) -> dict:
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", *argv], cwd=tree,
-                         check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return measure_in_process(Path(__file__).resolve(), argv, cwd=tree)
 
 
 def main() -> int:

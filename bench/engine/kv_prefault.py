@@ -15,7 +15,6 @@ import json
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir  # noqa: E402
+from bench.common.timing import interleaved, measure_in_process  # noqa: E402
 
 RESULTS = results_dir(__file__)
 
@@ -73,17 +73,10 @@ def main() -> int:
         print(json.dumps(measure(args)))
         return 0
     load0 = load_avg()
-    runs: dict[str, list[dict]] = {"first touch": [], "prefaulted when idle": []}
     argv = [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--context={args.context}",
             f"--kv-cache-memory={args.kv_cache_memory}"]
-    for rnd in range(args.rounds):
-        order = list(runs) if rnd % 2 == 0 else list(reversed(runs))
-        for name in order:
-            extra = ["--prefault"] if name != "first touch" else []
-            out = subprocess.run([sys.executable, __file__, "--measure", *argv, *extra], check=True,
-                                 capture_output=True, text=True, cwd=ROOT)
-            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(name, runs[name][-1], flush=True)
+    extra = {"first touch": [], "prefaulted when idle": ["--prefault"]}
+    runs = interleaved(extra, args.rounds, lambda name: measure_in_process(__file__, argv + extra[name], cwd=ROOT))
     lines = [f"# Prefill steps: KV pages backed at first touch against backed by an idle engine first\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}); load {load0} before, {load_avg()} after; the default "
              f"model, dtype {runs['first touch'][0]['dtype']}, KV cache {args.kv_cache_memory}, {args.steps} steps of "

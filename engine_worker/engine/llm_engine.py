@@ -35,7 +35,7 @@ from shared.startup_stages import StartupStages
 log = logging.getLogger(__name__)
 
 # An idle engine's slice of KV page backing (between_steps): what a request arriving meanwhile
-# waits for at most (about 8 pages at 1.3 ms each on a 2-core Zen 4 under KVM).
+# waits for at most (about 3 pages at 3.4 ms each on a 2-core Zen 4 under KVM: bench/results/kv_prefault).
 PREFAULT_SLICE_S = 0.01
 
 
