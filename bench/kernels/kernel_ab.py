@@ -2,11 +2,12 @@
 (--base), in one process (bench/common/base_kernel.py says why and how the base is built). Each shape is
 timed as --copies copies of random weights (gguf's own quantizer), so they stream from memory as in
 a step; the two kernels alternate, the order reversed every round, and the median of the rounds is
-reported, by default through the int8 method (int8 activations in every row, the fp32 x path).
+reported, by default through the int8 method (int8 activations in every row) on fp32 x; --dtype
+bfloat16 gives the kernels x as a bf16 model's engine does.
 
     .venv/bin/python bench/kernels/kernel_ab.py [--base HEAD] [--also REV,REV] [--formats Q8_0,Q4_1]
-        [--rows 1,8,32,256] [--threads 1,2] [--method int8|registers|dense] [--rounds 15] [--noise 0.1]
-        [--out NAME]
+        [--rows 1,8,32,256] [--threads 1,2] [--method int8|registers|dense] [--dtype float32|bfloat16]
+        [--rounds 15] [--noise 0.1] [--out NAME]
 
 --also times more revisions in the same rounds (variants kept on a branch, say), each a column and a
 ratio against the base, as the working tree is.
@@ -72,6 +73,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8,32,256")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--method", default="int8", choices=list(METHODS))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="x's dtype")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--noise", type=float, default=0.0, help="a neighbour busy this fraction of one core")
@@ -96,7 +98,7 @@ def main() -> int:
     others = [name for name in ops if name != "base"]
     lines = [f"# quant_linear: {title}, in one process\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), extension ISA {cpu_capability()[0]}, torch "
-             f"{torch.__version__}, load before {load_avg()}. Method: {args.method}; fp32 x; {args.copies} copies of "
+             f"{torch.__version__}, load before {load_avg()}. Method: {args.method}; {args.dtype} x; {args.copies} copies of "
              f"each shape; median of {args.rounds} interleaved rounds of {'thread CPU' if args.cpu_time else 'wall'} time; a neighbour process busy {args.noise:.0%} of a "
              "core. GMAC/s; ratio: each against the base.\n",
              "| threads | format | shape | rows | base GMAC/s | " + " | ".join(f"{o} GMAC/s | ratio" for o in others) + " |",
@@ -112,7 +114,7 @@ def main() -> int:
                 runs = {name: (op, base_layers if name == "base" else layers) for name, op in ops.items()}
                 for m in (int(r) for r in args.rows.split(",")):
                     with busy_neighbour(args.noise):
-                        t = interleaved(runs, torch.randn(m, k), args.method, args.rounds, clock)
+                        t = interleaved(runs, torch.randn(m, k, dtype=getattr(torch, args.dtype)), args.method, args.rounds, clock)
                     g = {name: args.copies * n * k * m / s / 1e9 for name, s in t.items()}
                     cells = " | ".join(f"{g[o]:.1f} | {g[o] / g['base']:.2f}" for o in others)
                     row = f"| {threads} | {fmt} | {label} | {m} | {g['base']:.1f} | {cells} |"

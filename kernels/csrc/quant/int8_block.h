@@ -50,75 +50,206 @@ inline void five_nibbles(const uint8_t* qg, IVec (&lo)[NZ], IVec (&hi)[NZ]) {
 #endif
 }
 
-// R rows of x (from r0) against a tile, into y[r][i]. Each row's result is the int8 panel GEMM's
-// (int8_panel.h) bit for bit, so a row's output does not depend on which of the two serves the call
-// (issue #66): per group, each weight row's whole integer dot to fp32, times its scale times x's
-// block scale added by one FMA, then its min (with VNNI and int8 weights: less 128 times the scale,
-// the dot being of w + 128) times x's rounded group sum by another.
-template <typename I, int R>
-inline void int8_block(const Tiles& w, const uint8_t* tile, const Int8Rows& x, int64_t r0, float (*y)[kTileRows]) {
-  constexpr int G = I::kGroup;
-  // 5-bit weights without VNNI met as int4's are, by their unsigned values 0..31 in int4's order
-  // (dot_u4; the signed ones' dots less 16 times x's sums): the same integers as from the int8
-  // rows, a fifth of the instructions (bench/results/five_bit_tiles). With VNNI, as the int8 rows
-  // (w + 128), so that the rows stay the int8 panel's bit for bit.
-  constexpr bool kNibbles = I::kFive && !kVnni;
-  constexpr int NZ = kTileRows * (kNibbles ? 16 : I::kInt8Bytes) / sizeof(IVec);   // vectors of a group's 4 rows
-  constexpr bool kBiased = panel_biased<I>();
-  const uint8_t* mins = w.has_mins ? tile + w.scale_count() * w.scale_bytes : nullptr;
-  const bool with_mins = mins || kBiased;
-  const uint8_t* q = w.ints(tile);
-  __m128 acc[R];
-  UNROLL
-  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
-  for (int64_t g = 0; g < w.groups; ++g) {
-    const __m128 s4 = load4(tile, w.scale_bytes, g);
-    const uint8_t* qg = q + g * kTileRows * I::kBytes;
+// The integers of one tile's group as int8_block meets them, its 4 rows' scales and mins (with VNNI
+// and int8 weights: less 128 times the scale, the dot being of w + 128). 5-bit weights without
+// VNNI are met as int4's are, by their unsigned values 0..31 in int4's order (dot_u4; the signed
+// ones' dots less 16 times x's sums): the same integers as from the int8 rows, a fifth of the
+// instructions (bench/results/five_bit_tiles). With VNNI, as the int8 rows (w + 128), so that the
+// rows stay the int8 panel's bit for bit.
+template <typename I>
+struct GroupInts {
+  static constexpr bool kNibbles = I::kFive && !kVnni;
+  static constexpr int NZ = kTileRows * (kNibbles ? 16 : I::kInt8Bytes) / sizeof(IVec);   // vectors of the 4 rows
+  static constexpr bool kBiased = panel_biased<I>();
+  IVec v[NZ], h[kNibbles ? NZ : 1];     // h: the 5-bit rows' elements 16-31
+  __m128 scales, mins;
+
+  void load(const Tiles& w, const uint8_t* tile, int64_t g) {
+    scales = load4(tile, w.scale_bytes, g);
+    const uint8_t* qg = w.ints(tile) + g * kTileRows * I::kBytes;
     prefetch_group<I>(qg);
-    IVec wv[NZ], wh[kNibbles ? NZ : 1];   // wh: the 5-bit rows' elements 16-31
     if constexpr (kNibbles) {
-      five_nibbles<I>(qg, wv, wh);
+      five_nibbles<I>(qg, v, h);
     } else {
       UNROLL
-      for (int j = 0; j < NZ; ++j) {
-        wv[j] = group_vector<I>(qg, j);
-        if constexpr (kBiased) wv[j] = flip_sign_bits(wv[j]);
-      }
+      for (int i = 0; i < NZ; ++i) v[i] = kBiased ? flip_sign_bits(group_vector<I>(qg, i)) : group_vector<I>(qg, i);
     }
-    __m128 m4 = mins ? load4(mins, w.scale_bytes, g) : _mm_setzero_ps();
-    if constexpr (kBiased) m4 = _mm_sub_ps(m4, _mm_mul_ps(_mm_set1_ps(128.f), s4));
+    mins = w.has_mins ? load4(tile + w.scale_count() * w.scale_bytes, w.scale_bytes, g) : _mm_setzero_ps();
+    if constexpr (kBiased) mins = _mm_sub_ps(mins, _mm_mul_ps(_mm_set1_ps(128.f), scales));
+  }
+};
+
+// One row of x's group as the int8 kernels meet it: elements 0-15 (low nibbles) in lo and 16-31 in
+// hi, or the whole group's bytes in hi; its block scale, its rounded sum (the mins' factor) and the
+// correction of the signed 5-bit weights' dots.
+template <typename I>
+struct GroupX {
+  static constexpr bool kFix = GroupInts<I>::kNibbles && I::kSignedFive;
+  IVec lo, hi;
+  float d, sum;
+  int32_t fix;
+
+  GroupX(const Int8Rows& x, int64_t row, int64_t g) {
+    const int8_t* xg = x.q.data() + row * x.k + g * I::kGroup;
+    if constexpr (I::kInt4 || GroupInts<I>::kNibbles) {
+      lo = bcast16(xg);
+      hi = bcast16(xg + 16);
+    } else {
+      hi = I::kGroup == 32 ? bcast32(xg) : bcast16(xg);
+    }
+    const int64_t block = (row * x.k + g * I::kGroup) / 32;
+    d = x.d[block];
+    sum = x.sums.empty() ? 0.f : x.sums[row * x.groups + g];
+    fix = kFix ? 16 * x.isums[block] : 0;
+  }
+};
+
+// The int32 dots of a tile's group with one row of x: row i's parts in the i-th quarter of the lanes.
+template <typename I, int NZ>
+inline void group_dots(const GroupInts<I>& w, const GroupX<I>& x, IVec (&dot)[NZ]) {
+  UNROLL
+  for (int i = 0; i < NZ; ++i) {
+    if constexpr (GroupInts<I>::kNibbles) dot[i] = dot_u4(w.v[i], x.lo, w.h[i], x.hi);
+    else if constexpr (I::kInt4) dot[i] = dot_u4(low_nibbles(w.v[i]), x.lo, high_nibbles(w.v[i]), x.hi);
+    else dot[i] = dot_s8(w.v[i], x.hi);
+  }
+}
+
+// R rows of x (from r0) against T consecutive tiles from tile t, into y[j][r][i] (tile t + j). Each
+// row's result is the int8 panel GEMM's (int8_panel.h) bit for bit, so a row's output does not
+// depend on which of the two serves the call (issue #66): per group, each weight row's whole
+// integer dot to fp32, times its scale times x's block scale added by one FMA, then its min times
+// x's rounded group sum by another. Those two FMAs chain a tile's sum from group to group, so one
+// row of x against one tile waits on their latency: T tiles run T chains side by side.
+template <typename I, int R, int T>
+inline void int8_block(const Tiles& w, int64_t t, const Int8Rows& x, int64_t r0, float (*y)[kRowBlock][kTileRows]) {
+  constexpr int NZ = GroupInts<I>::NZ;
+  const bool with_mins = panel_mins<I>(w);
+  __m128 acc[T][R];
+  UNROLL
+  for (int j = 0; j < T; ++j) {
+    UNROLL
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm_setzero_ps();
+  }
+  for (int64_t g = 0; g < w.groups; ++g) {
+    GroupInts<I> gw[T];
+    UNROLL
+    for (int j = 0; j < T; ++j) gw[j].load(w, w.tile(t + j), g);
     UNROLL
     for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r;
-      const int8_t* xg = x.q.data() + row * x.k + g * G;
-      IVec dot[NZ];
-      if constexpr (I::kInt4 || kNibbles) {
-        const IVec x0 = bcast16(xg), x1 = bcast16(xg + 16);     // elements 0-15 (low nibbles), 16-31
-        UNROLL
-        for (int j = 0; j < NZ; ++j)
-          dot[j] = kNibbles ? dot_u4(wv[j], x0, wh[j], x1) : dot_u4(low_nibbles(wv[j]), x0, high_nibbles(wv[j]), x1);
-      } else {
-        const IVec xb = G == 32 ? bcast32(xg) : bcast16(xg);
-        UNROLL
-        for (int j = 0; j < NZ; ++j) dot[j] = dot_s8(wv[j], xb);
+      const GroupX<I> gx(x, r0 + r, g);
+      const __m128 dx = _mm_set1_ps(gx.d), xs = _mm_set1_ps(gx.sum);
+      UNROLL
+      for (int j = 0; j < T; ++j) {
+        IVec dot[NZ];
+        group_dots(gw[j], gx, dot);
+        __m128i d = row_dots(dot);
+        if constexpr (GroupX<I>::kFix) d = _mm_sub_epi32(d, _mm_set1_epi32(gx.fix));
+        acc[j][r] = _mm_fmadd_ps(_mm_cvtepi32_ps(d), _mm_mul_ps(gw[j].scales, dx), acc[j][r]);
+        if (with_mins) acc[j][r] = _mm_fmadd_ps(gw[j].mins, xs, acc[j][r]);
       }
-      const __m128 dx = _mm_set1_ps(x.d[(row * x.k + g * G) / 32]);
-      __m128i d = row_dots(dot);
-      if constexpr (kNibbles && I::kSignedFive) d = _mm_sub_epi32(d, _mm_set1_epi32(16 * x.isums[(row * x.k + g * G) / 32]));
-      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(d), _mm_mul_ps(s4, dx), acc[r]);
-      if (with_mins) acc[r] = _mm_fmadd_ps(m4, _mm_set1_ps(x.sums[row * x.groups + g]), acc[r]);
     }
   }
   UNROLL
-  for (int r = 0; r < R; ++r) _mm_storeu_ps(y[r], acc[r]);
+  for (int j = 0; j < T; ++j) {
+    UNROLL
+    for (int r = 0; r < R; ++r) _mm_storeu_ps(y[j][r], acc[j][r]);
+  }
+}
+#if defined(CPU_CAPABILITY_AVX512)
+// Each row's parts of a tile's group dot (group_dots) in one 128-bit lane: row i in lane i.
+template <int NZ>
+inline __m512i rows_in_lanes(const __m512i (&dot)[NZ]) {
+  if constexpr (NZ == 1) {
+    return dot[0];
+  } else {
+    static_assert(NZ == 2, "a group's 4 rows fill 1 or 2 vectors");
+    // rows 0 and 1 in dot[0]'s halves, 2 and 3 in dot[1]'s: each half's two lanes summed
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(dot[0], dot[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i64x2(dot[0], dot[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+}
+
+// 4 tiles' rows_in_lanes as each row's whole dot, tile j's 4 rows in lane j (the layout of the 4
+// tiles' scales side by side, lanes4): integer sums, exact in any order.
+inline __m512i tile_dots4(const __m512i (&v)[4]) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+  const __m512i rows = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));   // lane i: row i of tiles 0-3
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), rows);
+}
+
+inline __m512 lanes4(__m128 a, __m128 b, __m128 c, __m128 d) {
+  return _mm512_insertf32x4(_mm512_insertf32x4(_mm512_insertf32x4(_mm512_castps128_ps512(a), b, 1), c, 2), d, 3);
+}
+
+// int8_block of 4 tiles with AVX-512: the 4 tiles' sums in one vector's lanes, so that the 4 rows'
+// horizontal sums of 4 tiles take 10 instructions where row_dots took 5 a tile, and each FMA serves
+// 4 tiles. Each lane computes what int8_block's does, in the same order: the same bits.
+template <typename I, int R>
+inline void int8_block4(const Tiles& w, int64_t t, const Int8Rows& x, int64_t r0, float (*y)[kRowBlock][kTileRows]) {
+  constexpr int NZ = GroupInts<I>::NZ;
+  const bool with_mins = panel_mins<I>(w);
+  __m512 acc[R];
+  UNROLL
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    GroupInts<I> gw[4];
+    UNROLL
+    for (int j = 0; j < 4; ++j) gw[j].load(w, w.tile(t + j), g);
+    const __m512 scales = lanes4(gw[0].scales, gw[1].scales, gw[2].scales, gw[3].scales);
+    const __m512 mins = lanes4(gw[0].mins, gw[1].mins, gw[2].mins, gw[3].mins);
+    UNROLL
+    for (int r = 0; r < R; ++r) {
+      const GroupX<I> gx(x, r0 + r, g);
+      __m512i parts[4];
+      UNROLL
+      for (int j = 0; j < 4; ++j) {
+        IVec dot[NZ];
+        group_dots(gw[j], gx, dot);
+        parts[j] = rows_in_lanes(dot);
+      }
+      __m512i d = tile_dots4(parts);
+      if constexpr (GroupX<I>::kFix) d = _mm512_sub_epi32(d, _mm512_set1_epi32(gx.fix));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(scales, _mm512_set1_ps(gx.d)), acc[r]);
+      if (with_mins) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(gx.sum), acc[r]);
+    }
+  }
+  UNROLL
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float lanes[4 * kTileRows];
+    _mm512_store_ps(lanes, acc[r]);
+    UNROLL
+    for (int j = 0; j < 4; ++j) std::memcpy(y[j][r], lanes + j * kTileRows, sizeof(y[j][r]));
+  }
+}
+#endif
+
+// Tiles a pass meets at once with R rows of x: 4 with AVX-512 (int8_block4), else enough for 4
+// chains of FMAs side by side (int8_block).
+template <int R>
+constexpr int tiles_at_once() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return 4;
+#else
+  return R >= 4 ? 1 : 4 / R;
+#endif
 }
 
 template <typename I, typename O>
 void int8_activations(const Tiles& w, const float* x, int64_t m, O* out) {
   const Int8Rows xq = quantize_rows<I>(w, x, m);
-  over_tiles<float, false>(w, m, 0, out,
-                           [&](const TileScales&, const uint8_t* tile, float*, int64_t r0, int64_t rows, float(*y)[kTileRows]) {
-    with_rows_upto<kRowBlock>(rows, [&](auto R) { int8_block<I, R>(w, tile, xq, r0, y); });
+  over_tile_runs<4>(w, m, out, [&](int64_t t, int run, int64_t r0, int64_t rows, auto& y) {
+    with_rows_upto<kRowBlock>(rows, [&](auto R) {
+      constexpr int T = tiles_at_once<decltype(R)::value>();
+      int j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      for (; j + T <= run; j += T) int8_block4<I, R>(w, t + j, xq, r0, y + j);
+#else
+      for (; j + T <= run; j += T) int8_block<I, R, T>(w, t + j, xq, r0, y + j);
+#endif
+      for (; j < run; ++j) int8_block<I, R, 1>(w, t + j, xq, r0, y + j);
+    });
   });
 }
 #endif

@@ -140,10 +140,19 @@ inline void add_mins(const float* mins, const float* xsums, int64_t count, float
 // fills y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows from the tile (its scales widened to
 // fp32 in s where kWiden); wt: the thread's scratch of `scratch` Ts, or nullptr. out is in x's
 // dtype O, so no call converts a whole output.
+inline int64_t tile_grain(const Tiles& w) { return std::max<int64_t>(2, 4096 / w.k); }
+
+// y's rows r0 .. r0 + rows of tile t into out (in x's dtype O, nearest even, as Tensor::to).
+template <typename O>
+inline void store_tile(const Tiles& w, int64_t t, int64_t r0, int64_t rows, const float (*y)[kTileRows], O* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i)
+      out[(r0 + r) * w.n + t * kTileRows + i] = static_cast<O>(y[r][i]);
+}
+
 template <typename T, bool kWiden = true, typename O, typename Block>
 void over_tiles(const Tiles& w, int64_t m, int64_t scratch, O* out, const Block& block) {
-  const int64_t grain = std::max<int64_t>(2, 4096 / w.k);
-  at::parallel_for(0, w.tiles, grain, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, w.tiles, tile_grain(w), [&](int64_t t0, int64_t t1) {
     std::vector<float> sbuf(kWiden ? 2 * w.scale_count() : 0);
     std::vector<T> wt(scratch);
     float y[kRowBlock][kTileRows];
@@ -153,9 +162,25 @@ void over_tiles(const Tiles& w, int64_t m, int64_t scratch, O* out, const Block&
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
         block(s, tile, wt.empty() ? nullptr : wt.data(), r0, rows, y);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int i = 0; i < kTileRows && t * kTileRows + i < w.n; ++i)
-            out[(r0 + r) * w.n + t * kTileRows + i] = static_cast<O>(y[r][i]);   // nearest even, as Tensor::to
+        store_tile(w, t, r0, rows, y, out);
+      }
+    }
+  });
+}
+
+// over_tiles for a method that meets up to Run consecutive tiles at once, their scales as stored:
+// block(t, run, r0, rows, y) fills y[j][r][0 .. kTileRows) for tiles t .. t + run and x's rows
+// r0 .. r0 + rows. A thread's run of tiles meets all m rows of x, kRowBlock rows at a time.
+template <int Run, typename O, typename Block>
+void over_tile_runs(const Tiles& w, int64_t m, O* out, const Block& block) {
+  at::parallel_for(0, w.tiles, tile_grain(w), [&](int64_t t0, int64_t t1) {
+    float y[Run][kRowBlock][kTileRows];
+    for (int64_t t = t0; t < t1; t += Run) {
+      const int run = static_cast<int>(std::min<int64_t>(Run, t1 - t));
+      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+        const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
+        block(t, run, r0, rows, y);
+        for (int j = 0; j < run; ++j) store_tile(w, t + j, r0, rows, y[j], out);
       }
     }
   });
