@@ -115,125 +115,160 @@ inline void group_dots(const GroupInts<I>& w, const GroupX<I>& x, IVec (&dot)[NZ
   }
 }
 
-// R rows of x (from r0) against T consecutive tiles from tile t, into y[j][r][i] (tile t + j). Each
-// row's result is the int8 panel GEMM's (int8_panel.h) bit for bit, so a row's output does not
-// depend on which of the two serves the call (issue #66): per group, each weight row's whole
-// integer dot to fp32, times its scale times x's block scale added by one FMA, then its min times
-// x's rounded group sum by another. Those two FMAs chain a tile's sum from group to group, so one
-// row of x against one tile waits on their latency: T tiles run T chains side by side.
-template <typename I, int R, int T>
-inline void int8_block(const Tiles& w, int64_t t, const Int8Rows& x, int64_t r0, float (*y)[kRowBlock][kTileRows]) {
+// R rows of x (from r0) against tile t, into y[r][i]. Each row's result is the int8 panel GEMM's
+// (int8_panel.h) bit for bit, so a row's output does not depend on which of the two serves the call
+// (issue #66): per group, each weight row's whole integer dot to fp32, times its scale times x's
+// block scale added by one FMA, then its min times x's rounded group sum by another. Those two FMAs
+// chain a tile's sum from group to group, so a call meets 4 tiles at once where it can (int8_block4).
+template <typename I, int R>
+inline void int8_block(const Tiles& w, int64_t t, const Int8Rows& x, int64_t r0, float (*y)[kTileRows]) {
   constexpr int NZ = GroupInts<I>::NZ;
   const bool with_mins = panel_mins<I>(w);
-  __m128 acc[T][R];
+  __m128 acc[R];
   UNROLL
-  for (int j = 0; j < T; ++j) {
-    UNROLL
-    for (int r = 0; r < R; ++r) acc[j][r] = _mm_setzero_ps();
-  }
+  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
-    GroupInts<I> gw[T];
-    UNROLL
-    for (int j = 0; j < T; ++j) gw[j].load(w, w.tile(t + j), g);
+    GroupInts<I> gw;
+    gw.load(w, w.tile(t), g);
     UNROLL
     for (int r = 0; r < R; ++r) {
       const GroupX<I> gx(x, r0 + r, g);
-      const __m128 dx = _mm_set1_ps(gx.d), xs = _mm_set1_ps(gx.sum);
-      UNROLL
-      for (int j = 0; j < T; ++j) {
-        IVec dot[NZ];
-        group_dots(gw[j], gx, dot);
-        __m128i d = row_dots(dot);
-        if constexpr (GroupX<I>::kFix) d = _mm_sub_epi32(d, _mm_set1_epi32(gx.fix));
-        acc[j][r] = _mm_fmadd_ps(_mm_cvtepi32_ps(d), _mm_mul_ps(gw[j].scales, dx), acc[j][r]);
-        if (with_mins) acc[j][r] = _mm_fmadd_ps(gw[j].mins, xs, acc[j][r]);
-      }
+      IVec dot[NZ];
+      group_dots(gw, gx, dot);
+      __m128i d = row_dots(dot);
+      if constexpr (GroupX<I>::kFix) d = _mm_sub_epi32(d, _mm_set1_epi32(gx.fix));
+      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(d), _mm_mul_ps(gw.scales, _mm_set1_ps(gx.d)), acc[r]);
+      if (with_mins) acc[r] = _mm_fmadd_ps(gw.mins, _mm_set1_ps(gx.sum), acc[r]);
     }
   }
   UNROLL
-  for (int j = 0; j < T; ++j) {
-    UNROLL
-    for (int r = 0; r < R; ++r) _mm_storeu_ps(y[j][r], acc[j][r]);
-  }
+  for (int r = 0; r < R; ++r) _mm_storeu_ps(y[r], acc[r]);
 }
+
+// int8_block4 keeps 4 tiles' 16 rows in kWide vectors (one with AVX-512, two with AVX2), tile j's
+// rows 0-3 in its 128-bit lane j of them.
+constexpr int kWide = 16 / kIntLanes;
+
 #if defined(CPU_CAPABILITY_AVX512)
 // Each row's parts of a tile's group dot (group_dots) in one 128-bit lane: row i in lane i.
 template <int NZ>
-inline __m512i rows_in_lanes(const __m512i (&dot)[NZ]) {
+inline void rows_in_lanes(const IVec (&dot)[NZ], IVec (&out)[kWide]) {
   if constexpr (NZ == 1) {
-    return dot[0];
+    out[0] = dot[0];
   } else {
     static_assert(NZ == 2, "a group's 4 rows fill 1 or 2 vectors");
     // rows 0 and 1 in dot[0]'s halves, 2 and 3 in dot[1]'s: each half's two lanes summed
-    return _mm512_add_epi32(_mm512_shuffle_i64x2(dot[0], dot[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i64x2(dot[0], dot[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    out[0] = _mm512_add_epi32(_mm512_shuffle_i64x2(dot[0], dot[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_i64x2(dot[0], dot[1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
 }
 
-// 4 tiles' rows_in_lanes as each row's whole dot, tile j's 4 rows in lane j (the layout of the 4
-// tiles' scales side by side, lanes4): integer sums, exact in any order.
-inline __m512i tile_dots4(const __m512i (&v)[4]) {
-  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
-  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
-  const __m512i rows = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));   // lane i: row i of tiles 0-3
-  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), rows);
+// Per 128-bit lane, the sums of a's, b's, c's and d's 4 int32 in that lane.
+inline IVec lane_sums4(IVec a, IVec b, IVec c, IVec d) {
+  const IVec ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const IVec cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
 }
 
-inline __m512 lanes4(__m128 a, __m128 b, __m128 c, __m128 d) {
-  return _mm512_insertf32x4(_mm512_insertf32x4(_mm512_insertf32x4(_mm512_castps128_ps512(a), b, 1), c, 2), d, 3);
+// 4 tiles' rows_in_lanes (parts[j]: tile j) as each row's whole dot, tile j's 4 rows in lane j.
+inline void tile_dots4(const IVec (&parts)[4][kWide], IVec (&out)[kWide]) {
+  const IVec rows = lane_sums4(parts[0][0], parts[1][0], parts[2][0], parts[3][0]);   // lane i: row i of tiles 0-3
+  out[0] = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), rows);
 }
 
-// int8_block of 4 tiles with AVX-512: the 4 tiles' sums in one vector's lanes, so that the 4 rows'
-// horizontal sums of 4 tiles take 10 instructions where row_dots took 5 a tile, and each FMA serves
-// 4 tiles. Each lane computes what int8_block's does, in the same order: the same bits.
+inline void lanes4(__m128 a, __m128 b, __m128 c, __m128 d, Vec (&out)[kWide]) {
+  out[0] = Vec(_mm512_insertf32x4(_mm512_insertf32x4(_mm512_insertf32x4(_mm512_castps128_ps512(a), b, 1), c, 2), d, 3));
+}
+
+inline IVec less(IVec v, int32_t c) { return _mm512_sub_epi32(v, _mm512_set1_epi32(c)); }
+#else
+// Each row's parts of a tile's group dot (group_dots) in one 128-bit lane: rows 0 and 1 in out[0]'s
+// lanes, 2 and 3 in out[1]'s.
+template <int NZ>
+inline void rows_in_lanes(const IVec (&dot)[NZ], IVec (&out)[kWide]) {
+  if constexpr (NZ == 2) {
+    out[0] = dot[0];
+    out[1] = dot[1];
+  } else {
+    static_assert(NZ == 4, "a group's 4 rows fill 2 or 4 vectors");
+    // a row a vector: its two lanes summed
+    UNROLL
+    for (int h = 0; h < 2; ++h)
+      out[h] = _mm256_add_epi32(_mm256_permute2x128_si256(dot[2 * h], dot[2 * h + 1], 0x20),
+                                _mm256_permute2x128_si256(dot[2 * h], dot[2 * h + 1], 0x31));
+  }
+}
+
+inline IVec lane_sums4(IVec a, IVec b, IVec c, IVec d) {
+  const IVec ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+  const IVec cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+}
+
+// As the AVX-512 tile_dots4, tiles 0 and 1 in out[0], 2 and 3 in out[1].
+inline void tile_dots4(const IVec (&parts)[4][kWide], IVec (&out)[kWide]) {
+  const IVec r01 = lane_sums4(parts[0][0], parts[1][0], parts[2][0], parts[3][0]);   // lanes: rows 0, 1 of tiles 0-3
+  const IVec r23 = lane_sums4(parts[0][1], parts[1][1], parts[2][1], parts[3][1]);
+  const IVec p = _mm256_permute2x128_si256(r01, r23, 0x20), q = _mm256_permute2x128_si256(r01, r23, 0x31);   // rows 0|2, 1|3
+  out[0] = _mm256_permute4x64_epi64(_mm256_unpacklo_epi32(p, q), _MM_SHUFFLE(3, 1, 2, 0));
+  out[1] = _mm256_permute4x64_epi64(_mm256_unpackhi_epi32(p, q), _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+inline void lanes4(__m128 a, __m128 b, __m128 c, __m128 d, Vec (&out)[kWide]) {
+  out[0] = Vec(_mm256_set_m128(b, a));
+  out[1] = Vec(_mm256_set_m128(d, c));
+}
+
+inline IVec less(IVec v, int32_t c) { return _mm256_sub_epi32(v, _mm256_set1_epi32(c)); }
+#endif
+
+// int8_block of 4 tiles: their sums in the lanes of kWide vectors, so that 16 rows' horizontal sums
+// take 10 instructions with AVX-512 (24 with AVX2) where row_dots took 5 (8) a row of 4, and each
+// FMA serves 4 tiles (2). Each lane computes what int8_block's does, in the same order: the same bits.
 template <typename I, int R>
 inline void int8_block4(const Tiles& w, int64_t t, const Int8Rows& x, int64_t r0, float (*y)[kRowBlock][kTileRows]) {
   constexpr int NZ = GroupInts<I>::NZ;
   const bool with_mins = panel_mins<I>(w);
-  __m512 acc[R];
+  Vec acc[R][kWide];
   UNROLL
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    UNROLL
+    for (int v = 0; v < kWide; ++v) acc[r][v] = Vec(0.f);
+  }
   for (int64_t g = 0; g < w.groups; ++g) {
     GroupInts<I> gw[4];
     UNROLL
     for (int j = 0; j < 4; ++j) gw[j].load(w, w.tile(t + j), g);
-    const __m512 scales = lanes4(gw[0].scales, gw[1].scales, gw[2].scales, gw[3].scales);
-    const __m512 mins = lanes4(gw[0].mins, gw[1].mins, gw[2].mins, gw[3].mins);
+    Vec scales[kWide], mins[kWide];
+    lanes4(gw[0].scales, gw[1].scales, gw[2].scales, gw[3].scales, scales);
+    lanes4(gw[0].mins, gw[1].mins, gw[2].mins, gw[3].mins, mins);
     UNROLL
     for (int r = 0; r < R; ++r) {
       const GroupX<I> gx(x, r0 + r, g);
-      __m512i parts[4];
+      IVec parts[4][kWide], d[kWide];
       UNROLL
       for (int j = 0; j < 4; ++j) {
         IVec dot[NZ];
         group_dots(gw[j], gx, dot);
-        parts[j] = rows_in_lanes(dot);
+        rows_in_lanes(dot, parts[j]);
       }
-      __m512i d = tile_dots4(parts);
-      if constexpr (GroupX<I>::kFix) d = _mm512_sub_epi32(d, _mm512_set1_epi32(gx.fix));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(scales, _mm512_set1_ps(gx.d)), acc[r]);
-      if (with_mins) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(gx.sum), acc[r]);
+      tile_dots4(parts, d);
+      UNROLL
+      for (int v = 0; v < kWide; ++v) {
+        if constexpr (GroupX<I>::kFix) d[v] = less(d[v], gx.fix);
+        acc[r][v] = at::vec::fmadd(to_float(d[v]), scales[v] * Vec(gx.d), acc[r][v]);
+        if (with_mins) acc[r][v] = at::vec::fmadd(mins[v], Vec(gx.sum), acc[r][v]);
+      }
     }
   }
   UNROLL
   for (int r = 0; r < R; ++r) {
-    alignas(64) float lanes[4 * kTileRows];
-    _mm512_store_ps(lanes, acc[r]);
+    float lanes[4 * kTileRows];
+    UNROLL
+    for (int v = 0; v < kWide; ++v) acc[r][v].store(lanes + v * VL);
     UNROLL
     for (int j = 0; j < 4; ++j) std::memcpy(y[j][r], lanes + j * kTileRows, sizeof(y[j][r]));
   }
-}
-#endif
-
-// Tiles a pass meets at once with R rows of x: 4 with AVX-512 (int8_block4), else enough for 4
-// chains of FMAs side by side (int8_block).
-template <int R>
-constexpr int tiles_at_once() {
-#if defined(CPU_CAPABILITY_AVX512)
-  return 4;
-#else
-  return R >= 4 ? 1 : 4 / R;
-#endif
 }
 
 template <typename I, typename O>
@@ -241,14 +276,9 @@ void int8_activations(const Tiles& w, const float* x, int64_t m, O* out) {
   const Int8Rows xq = quantize_rows<I>(w, x, m);
   over_tile_runs<4>(w, m, out, [&](int64_t t, int run, int64_t r0, int64_t rows, auto& y) {
     with_rows_upto<kRowBlock>(rows, [&](auto R) {
-      constexpr int T = tiles_at_once<decltype(R)::value>();
       int j = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-      for (; j + T <= run; j += T) int8_block4<I, R>(w, t + j, xq, r0, y + j);
-#else
-      for (; j + T <= run; j += T) int8_block<I, R, T>(w, t + j, xq, r0, y + j);
-#endif
-      for (; j < run; ++j) int8_block<I, R, 1>(w, t + j, xq, r0, y + j);
+      for (; j + 4 <= run; j += 4) int8_block4<I, R>(w, t + j, xq, r0, y + j);
+      for (; j < run; ++j) int8_block<I, R>(w, t + j, xq, r0, y[j]);
     });
   });
 }
