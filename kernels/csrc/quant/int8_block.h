@@ -64,10 +64,9 @@ struct GroupInts {
   IVec v[NZ], h[kNibbles ? NZ : 1];     // h: the 5-bit rows' elements 16-31
   __m128 scales, mins;
 
-  void load(const Tiles& w, const uint8_t* tile, int64_t g) {
+  // qg: the group's integers, w.ints(tile) + g * kTileRows * I::kBytes
+  void load(const Tiles& w, const uint8_t* tile, const uint8_t* qg, int64_t g) {
     scales = load4(tile, w.scale_bytes, g);
-    const uint8_t* qg = w.ints(tile) + g * kTileRows * I::kBytes;
-    prefetch_group<I>(qg);
     if constexpr (kNibbles) {
       five_nibbles<I>(qg, v, h);
     } else {
@@ -129,7 +128,9 @@ inline void int8_block(const Tiles& w, int64_t t, const Int8Rows& x, int64_t r0,
   for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     GroupInts<I> gw;
-    gw.load(w, w.tile(t), g);
+    const uint8_t* qg = w.ints(w.tile(t)) + g * kTileRows * I::kBytes;
+    prefetch_group<I>(qg);
+    gw.load(w, w.tile(t), qg, g);
     UNROLL
     for (int r = 0; r < R; ++r) {
       const GroupX<I> gx(x, r0 + r, g);
@@ -222,6 +223,19 @@ inline void lanes4(__m128 a, __m128 b, __m128 c, __m128 d, Vec (&out)[kWide]) {
 inline IVec less(IVec v, int32_t c) { return _mm256_sub_epi32(v, _mm256_set1_epi32(c)); }
 #endif
 
+// Where a thread reading 4 tiles at once asks for the bytes ahead: prefetch_group's 4 KiB ahead of a
+// group lies in the run of 4 tiles itself (a tile is 1.4 KiB of SmolLM2's Q4_1, 2.4 of its Q8_0),
+// so each group asks for its share of the tiles kRunsAhead runs on, the 4 tiles' bytes in one
+// stream: a one-row output layer of 49152 x 576 (28 MB, from memory) read at half the speed
+// without it (bench/results/kernel_ab/int8_tiles4_e6effd3_zen4.md).
+constexpr int64_t kRunsAhead = 2;
+
+inline void prefetch_runs_ahead(const Tiles& w, int64_t t, int64_t g) {
+  const int64_t share = (4 * w.tile_bytes + w.groups - 1) / w.groups;     // a group's share of a run's bytes
+  const uint8_t* run = w.tile(t + 4 * kRunsAhead) + g * share;
+  for (int64_t b = 0; b < share; b += 64) __builtin_prefetch(run + b);
+}
+
 // int8_block of 4 tiles: their sums in the lanes of kWide vectors, so that 16 rows' horizontal sums
 // take 10 instructions with AVX-512 (24 with AVX2) where row_dots took 5 (8) a row of 4, and each
 // FMA serves 4 tiles (2). Each lane computes what int8_block's does, in the same order: the same bits.
@@ -236,9 +250,10 @@ inline void int8_block4(const Tiles& w, int64_t t, const Int8Rows& x, int64_t r0
     for (int v = 0; v < kWide; ++v) acc[r][v] = Vec(0.f);
   }
   for (int64_t g = 0; g < w.groups; ++g) {
+    prefetch_runs_ahead(w, t, g);
     GroupInts<I> gw[4];
     UNROLL
-    for (int j = 0; j < 4; ++j) gw[j].load(w, w.tile(t + j), g);
+    for (int j = 0; j < 4; ++j) gw[j].load(w, w.tile(t + j), w.ints(w.tile(t + j)) + g * kTileRows * I::kBytes, g);
     Vec scales[kWide], mins[kWide];
     lanes4(gw[0].scales, gw[1].scales, gw[2].scales, gw[3].scales, scales);
     lanes4(gw[0].mins, gw[1].mins, gw[2].mins, gw[3].mins, mins);
