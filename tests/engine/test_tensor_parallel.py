@@ -8,6 +8,9 @@ what it cannot do yet is refused in one line."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from contextlib import contextmanager
 
 import numpy as np
@@ -17,10 +20,12 @@ import torch
 from engine_worker import LLM, SamplingParams
 from engine_worker.model.quant_layers import QuantLinear
 from engine_worker.model.tensor_parallel import take_rows, vocab_split
+from engine_worker.model.tp_ranks import EXIT_RANK_DIED
 from kernels.cpu_ops_build import cpu_ops_available
 from shared.gguf_quant import PackedWeight
 from tests.support.gguf_files import write_llama_gguf
 from tests.support.llm_support import greedy, hf_greedy, make_llm, make_prompts
+from tests.support.paths import ROOT
 from tests.support.tiny_model import FAMILIES, build_tiny_family, build_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
@@ -287,3 +292,20 @@ def test_backend_flag_reaches_the_engine(monkeypatch):
     assert ecfg.tensor_parallel_backend == "gloo"
     monkeypatch.setenv("KAITEN_TENSOR_PARALLEL_BACKEND", "gloo")
     assert EngineConfig.from_env().tensor_parallel_backend == "gloo"
+
+
+def test_a_gloo_rank_that_dies_ends_the_engine(tiny_model_dir):
+    """Rank 1 SIGKILLed while rank 0 runs steps over gloo: rank 0's process exits at once
+    (EXIT_RANK_DIED), not left waiting in a collective."""
+    script = textwrap.dedent(f"""
+        import os, signal, threading
+        from engine_worker import LLM, SamplingParams
+        llm = LLM({str(tiny_model_dir)!r}, dtype="float32", kv_cache_memory=8 * 2**20, enforce_eager=True,
+                  tensor_parallel_size=2, tensor_parallel_backend="gloo", cpu_binding="none")
+        threading.Timer(1.0, os.kill, (llm.engine.runner.ranks.procs[0].pid, signal.SIGKILL)).start()
+        while True:
+            llm.generate([[5, 6, 7]] * 8, SamplingParams(temperature=0, max_tokens=16))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == EXIT_RANK_DIED, run.stderr[-3000:]
+    assert "tensor-parallel rank 1" in run.stderr
