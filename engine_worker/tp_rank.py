@@ -10,8 +10,11 @@ import os
 import signal
 import sys
 
+import torch
+
 from engine_worker.model.tensor_parallel import TPRank
 from engine_worker.model.tp_comm import Call, Region, ShmComm, StepChannel
+from engine_worker.model.tp_dist import DistComm, rank_device, rendezvous
 from engine_worker.model.tp_ranks import EXIT_RANK_DIED, pin
 from shared.config import EngineConfig
 
@@ -28,9 +31,11 @@ def _die_with_parent(parent: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine_worker.tp_rank",
                                 description="A tensor-parallel rank; rank 0 (the engine) starts it.")
-    for name in ("rank", "world", "comm-fd", "comm-bytes", "channel-fd", "channel-bytes", "logits-fd",
-                 "logits-bytes", "pipe-fd", "ack-fd", "parent"):
+    for name in ("rank", "world", "channel-fd", "channel-bytes", "pipe-fd", "ack-fd", "parent"):
         p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--backend", choices=("shm", "gloo", "nccl"), required=True)
+    for name in ("comm-fd", "comm-bytes", "logits-fd", "logits-bytes", "dist-port"):    # shm's, or the others'
+        p.add_argument(f"--{name}", type=int, default=-1)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--cpus", default="")
     p.add_argument("--config", required=True, help="the engine's EngineConfig, as JSON")
@@ -41,17 +46,26 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(os.environ.get("KAITEN_LOG_LEVEL", "INFO"), os.environ.get("KAITEN_LOG_FORMAT", "text"))
     from engine_worker.model.model_runner import ModelRunner
     config = EngineConfig(**json.loads(args.config))
-    comm = ShmComm(Region.open(args.comm_fd, args.comm_bytes), args.rank, args.world)
+    comm = _join(args, torch.device(config.device))
     channel = StepChannel(Region.open(args.channel_fd, args.channel_bytes), [args.pipe_fd], [args.ack_fd])
-    logits = Region.open(args.logits_fd, args.logits_bytes)
-    runner = ModelRunner(config, args.model_dir, tp_rank=TPRank(args.rank, args.world, comm.handle, logits))
+    runner = ModelRunner(config, args.model_dir, tp_rank=TPRank(args.rank, args.world, comm))
     while (message := channel.receive()) is not None:
         if isinstance(message, Call):
             getattr(runner, message.name)(*message.args)
             channel.acknowledge()
         else:
             runner.follow(message)
+    comm.close()
     return 0
+
+
+def _join(args: argparse.Namespace, device: torch.device) -> ShmComm | DistComm:
+    """This rank's end of the communicator rank 0 made (tp_ranks.RankGroup)."""
+    if args.backend == "shm":
+        return ShmComm(Region.open(args.comm_fd, args.comm_bytes), args.rank, args.world,
+                       Region.open(args.logits_fd, args.logits_bytes))
+    return DistComm(args.backend, rendezvous(args.world, args.dist_port), args.rank, args.world,
+                    rank_device(device, args.rank))
 
 
 if __name__ == "__main__":

@@ -169,7 +169,9 @@ class EngineConfig(_EnvConfig):
     kv_store_chunk_tokens: int = 0       # tokens in a stored chunk (whole blocks); 0: the fewest blocks
                                          # holding 256 KiB of KV (measured: bench/results/kv_store)
     tensor_parallel_size: int = 1        # ranks (processes on this host) one engine's model is split
-                                         # over; CPU only (docs/tensor_parallel.md)
+                                         # over: on the CPU, or one GPU a rank (docs/tensor_parallel.md)
+    tensor_parallel_backend: str = "auto"  # the ranks' all-reduce: auto (shm on the CPU, nccl on CUDA) |
+                                         # shm (shared memory) | gloo (CPU, torch.distributed) | nccl (CUDA)
     cpu_binding: str = ""                # each rank's cores, "0-3|4-7"; "": this process's split
                                          # evenly (NUMA-aware); "none": not pinned
     ENV_NAMES = {"model": "KAITEN_MODEL"}

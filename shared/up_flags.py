@@ -71,8 +71,11 @@ CHILD_FLAGS = (
               "LoRA adapters kept loaded in memory, least recently used evicted (default: --max-loras)", int),
     ChildFlag("--max-lora-rank", "KAITEN_MAX_LORA_RANK", "engine", "the largest LoRA rank served (default 16)", int),
     ChildFlag("--tensor-parallel-size", "KAITEN_TENSOR_PARALLEL_SIZE", "engine",
-              "processes (ranks) each engine's model is split over, on this host's CPU (default 1; "
-              "docs/tensor_parallel.md)", int),
+              "processes (ranks) each engine's model is split over, on this host's CPU or one GPU a rank "
+              "(default 1; docs/tensor_parallel.md)", int),
+    ChildFlag("--tensor-parallel-backend", "KAITEN_TENSOR_PARALLEL_BACKEND", "engine",
+              "the ranks' all-reduce: auto (shm on the CPU, nccl on CUDA), shm, gloo (CPU) or nccl (CUDA) "
+              "(default auto)"),
     ChildFlag("--cpu-binding", "KAITEN_CPU_BINDING", "engine",
               'each rank\'s cores, "0-3|4-7" (default: the cores split evenly, NUMA-aware; none: not pinned)'),
     ChildFlag("--kv-store-url", "KAITEN_KV_STORE_URL", "engine",

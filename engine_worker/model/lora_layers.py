@@ -85,10 +85,11 @@ class LoraBatch:
 
     @classmethod
     def for_step(cls, slot_of_token: np.ndarray, num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> "LoraBatch":
-        """The layout a step of a model in `dtype` runs: segmented where the C++ kernel applies the
-        adapters (it takes no other), else padded where the runs are even enough."""
-        return cls.build(slot_of_token, num_slots, device, padded=not native_lora(dtype, device))
+                 device: torch.device, at: torch.device | None = None) -> "LoraBatch":
+        """The layout a step of a model in `dtype` on `device` runs: segmented where the C++ kernel
+        applies the adapters (it takes no other), else padded where the runs are even enough. `at`:
+        where its tensors are made (default `device`)."""
+        return cls.build(slot_of_token, num_slots, at or device, padded=not native_lora(dtype, device))
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return self.token_index, self.bounds, self.pad_index, self.pad_rows, self.runs

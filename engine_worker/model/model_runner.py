@@ -1,6 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -23,6 +24,7 @@ from engine_worker.model.tensor_parallel import (TPRank, check_splittable, kv_he
                                                  shard_model)
 from engine_worker.model.lora_layers import LoraBatch, projection_shapes
 from engine_worker.model.tp_comm import StepInputs
+from engine_worker.model.tp_dist import check_joinable, rank_device, resolve_backend
 from engine_worker.model.tp_ranks import RankGroup
 from kernels.cpu_ops_build import cpu_ops_available
 from kernels.interface import AttentionMetadata
@@ -78,6 +80,9 @@ class ModelRunner:
                  tp_rank: TPRank | None = None):
         self.config = config
         self.device = torch.device(config.device)
+        tp_backend = resolve_backend(config.tensor_parallel_backend, self.device)
+        if config.tensor_parallel_size > 1:
+            self.device = rank_device(self.device, 0 if tp_rank is None else tp_rank.rank)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -85,8 +90,9 @@ class ModelRunner:
         self.ranks: RankGroup | None = None       # rank 0 of a tensor-parallel engine: the other ranks
         self.tp = tp_rank
         if config.tensor_parallel_size > 1 and tp_rank is None:
-            self._check_tensor_parallel()
-            self.ranks = RankGroup(config.with_overrides(dtype=DTYPE_NAMES[self.dtype]), model_dir)
+            self._check_tensor_parallel(tp_backend)
+            self.ranks = RankGroup(config.with_overrides(dtype=DTYPE_NAMES[self.dtype]), model_dir, tp_backend,
+                                   self.device)
             self.tp = self.ranks.tp
         if self.tp is not None and config.num_threads <= 0:
             torch.set_num_threads(len(os.sched_getaffinity(0)))     # its own cores (cpu_binding.py)
@@ -111,6 +117,8 @@ class ModelRunner:
             self.kv_window = window if window < self.max_model_len else 0
             self.kv_dtype = self._kv_cache_dtype(self._quantized)
             self.num_blocks = self._num_blocks(self._kv_budget())
+            if self.tp is not None and self.device.type == "cuda":    # each rank profiled its own GPU
+                self.num_blocks = self.tp.comm.fewest(self.num_blocks)
             self.kv_caches = self._allocate_kv_cache()
             self.kv_prefault = Prefault([t for kv in self.kv_caches for t in kv] if self.device.type == "cpu" else [])
         self.graphs: DecodeGraphRunner | None = None
@@ -157,13 +165,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             onto_huge_pages(self.model)
 
-    def _check_tensor_parallel(self) -> None:
-        """ValueError, in one line, for what a tensor-parallel engine cannot do (yet)."""
+    def _check_tensor_parallel(self, backend: str) -> None:
+        """ValueError, in one line, for what a tensor-parallel engine over `backend` cannot do (yet)."""
         config, flag = self.config, f"--tensor-parallel-size {self.config.tensor_parallel_size}"
-        if self.device.type != "cpu":
-            raise ValueError(f"{flag} runs on the CPU only (--device cpu); NCCL ranks are not implemented")
-        if not cpu_ops_available():
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{flag} runs on the CPU or on CUDA GPUs, not on {self.device.type}")
+        if backend == "shm" and not cpu_ops_available():
             raise ValueError(f"{flag} needs the C++ CPU ops (its all-reduce is one of them)")
+        if backend != "shm":
+            check_joinable(backend, self.device, config.tensor_parallel_size)
         if config.kv_store_url:
             raise ValueError(f"{flag} does not support a shared KV store (--kv-store-url) yet")
         check_splittable(self.model_config, config.tensor_parallel_size)
@@ -240,7 +250,7 @@ class ModelRunner:
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
         lens = [min(self.max_model_len, tokens - start) for start in range(0, tokens, self.max_model_len)]
         blocks = [-(-n // bs) for n in lens]
-        shape = (sum(blocks), bs, cfg.num_kv_heads, cfg.head_dim)
+        shape = (sum(blocks), bs, self.kv_heads, cfg.head_dim)
         scratch = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                     torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
         scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
@@ -374,12 +384,13 @@ class ModelRunner:
             torch._dynamo.reset()
             return None
 
-    def prepare(self, batch: ScheduledBatch, lora_slots: list[int] | None = None
+    def prepare(self, batch: ScheduledBatch, lora_slots: list[int] | None = None, host: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, LoraBatch | None]:
         """Pack the step's new tokens of every sequence, with positions, slots and block tables,
         and its adapter tokens by slot (`lora_slots`: each sequence's adapter slot, -1 for the
         base model; None when no sequence uses an adapter). Per-token values (positions, slots) come
-        from numpy ops over the batch, not Python loops."""
+        from numpy ops over the batch, not Python loops. `host`: the tensors in host memory, for
+        the step channel (on_device moves them)."""
         seqs, qlens = batch.seqs, batch.num_new_tokens
         klens = [seq.num_computed_tokens + n for seq, n in zip(seqs, qlens)]
         input_ids: list[int] = []
@@ -401,7 +412,7 @@ class ModelRunner:
             positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(k - q - cu[:-1], q)
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        dev = self.device
+        dev = torch.device("cpu") if host else self.device
         meta = AttentionMetadata(
             cu_seqlens_q=torch.from_numpy(cu).to(dev), seqlens_k=torch.from_numpy(k).to(dev),
             block_tables=torch.from_numpy(tables).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
@@ -410,7 +421,7 @@ class ModelRunner:
         lora = None
         if lora_slots is not None:
             lora = LoraBatch.for_step(np.array(lora_slots, dtype=np.int64)[seq_of_token], self.max_loras,
-                                      self.dtype, dev)
+                                      self.dtype, self.device, at=dev)
         return ids, torch.from_numpy(positions).to(dev), meta, lora
 
     @torch.inference_mode()
@@ -439,7 +450,8 @@ class ModelRunner:
         logprobs, the logits of every token that `prompt_spans` names: (batch row, first of its
         new tokens, count), in order (None when there are none). `lora_slots`: see prepare."""
         self.take_compiled()
-        ids, pos, meta, lora = self.prepare(batch, lora_slots)
+        host = self.ranks is not None and self.device.type != "cpu"      # the step channel carries host tensors
+        ids, pos, meta, lora = self.prepare(batch, lora_slots, host)
         rows = self._logit_rows(batch, sample_rows, sample_counts)
         prompt_rows = None
         if prompt_spans:
@@ -448,12 +460,26 @@ class ModelRunner:
                 [np.arange(starts[r] + first, starts[r] + first + n) for r, first, n in prompt_spans]))
         if self.ranks is not None:          # the rows too: every rank computes its slice of their logits
             self.ranks.send(ids, pos, meta, lora, rows, prompt_rows)
+        if host:
+            ids, pos, meta, lora = self.on_device(ids, pos, meta, lora)
         return self._logits(self.forward(ids, pos, meta, lora), rows, prompt_rows)
 
     @torch.inference_mode()
     def follow(self, step: StepInputs) -> None:
         """Rank 1..'s share of the step rank 0 runs (run): the forward, then its slice of the same logits."""
-        self._logits(self.forward(step.ids, step.positions, step.meta, step.lora), step.rows, step.prompt_rows)
+        ids, pos, meta, lora = step.ids, step.positions, step.meta, step.lora
+        if self.device.type != "cpu":
+            ids, pos, meta, lora = self.on_device(ids, pos, meta, lora)
+        self._logits(self.forward(ids, pos, meta, lora), step.rows, step.prompt_rows)
+
+    def on_device(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, lora: LoraBatch | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, LoraBatch | None]:
+        """A step's inputs in host memory (prepare's with `host`, the step channel's) on this rank's device."""
+        dev = self.device
+        meta = dataclasses.replace(meta, cu_seqlens_q=meta.cu_seqlens_q.to(dev), seqlens_k=meta.seqlens_k.to(dev),
+                                   block_tables=meta.block_tables.to(dev), slot_mapping=meta.slot_mapping.to(dev))
+        lora = None if lora is None else LoraBatch(*(t.to(dev) for t in lora.args()))
+        return ids.to(dev), pos.to(dev), meta, lora
 
     @staticmethod
     def _logit_rows(batch: ScheduledBatch, sample_rows: list[int], sample_counts: list[int] | None) -> torch.Tensor:

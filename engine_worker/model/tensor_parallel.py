@@ -5,15 +5,17 @@ KV heads they read: split where there are at least as many as ranks, else the on
 heads share, replicated) and its slice of gate_up_proj's gate and up. Row-parallel (input columns
 split): o_proj and down_proj take the matching columns, each rank's output is a partial sum, and
 ParallelAttention / ParallelGatedMLP add them over the ranks with one all-reduce each
-(kaiten_cpu::shm_all_reduce_), after the LoRA term, so a row-parallel adapter sums too. A
+(kaiten_cpu::shm_all_reduce_; DistParallelAttention / DistParallelGatedMLP through
+torch.distributed, tp_dist.py), after the LoRA term, so a row-parallel adapter sums too. A
 row-parallel bias is added by rank 0 alone. Norms and the embedding stay whole on every rank:
 the hidden states after each all-reduce are the same bits on every rank.
 
 The output layer (lm_head, or a copy of the tied embedding's rows) is split by vocabulary: each
 rank computes the logits of its contiguous slice of it from the same hidden rows (rank 0 sends the
 rows in each step, tp_comm.StepChannel), and rank 0 gathers the slices into the whole logits
-(tp_comm.LogitsGather). A logit is one row's dot product with one weight row, so the split
-changes no bits: the int8 activation row's scale is over the hidden size, which it does not cut.
+(tp_comm.LogitsGather, tp_dist.DistLogitsGather). A logit is one row's dot product with one
+weight row, so the split changes no bits: the int8 activation row's scale is over the hidden
+size, which it does not cut.
 
 Dense (fp32, bf16-stored) weights are sliced by rows or columns; quantized tiles
 (quant_tiles.py) by whole tiles of rows and whole groups of inputs, without dequantizing.
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine_worker.model.bf16_layers import Bf16Linear
@@ -34,19 +37,19 @@ from engine_worker.model.layers.attention import Attention
 from engine_worker.model.layers.mlp import GatedMLP
 from engine_worker.model.quant_layers import QuantLinear
 from engine_worker.model.quant_tiles import TILE_ROWS
-from engine_worker.model.tp_comm import LogitsGather, Region
+from engine_worker.model.tp_comm import ShmComm
+from engine_worker.model.tp_dist import DistComm
 
 MLP_UNIT = 32       # the intermediate features split in runs of a quantization group
 
 
 @dataclass(frozen=True, slots=True)
 class TPRank:
-    """One rank of a tensor-parallel model: `handle` names its all-reduce communicator
-    (tp_comm.ShmComm) in this process; `logits` is the region of the logits' gather."""
+    """One rank of a tensor-parallel model and its communicator: the all-reduce's and the logits
+    gather's (tp_comm.ShmComm, shared memory, or tp_dist.DistComm, torch.distributed)."""
     rank: int
     world: int
-    handle: int
-    logits: Region
+    comm: ShmComm | DistComm
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,24 +132,47 @@ class ParallelGatedMLP(GatedMLP):
         return out
 
 
-PARALLEL = {Attention: ParallelAttention, GatedMLP: ParallelGatedMLP}
+class DistParallelAttention(Attention):
+    """ParallelAttention through torch.distributed's default group (Dynamo traces the all-reduce
+    as a functional collective in the compiled layers)."""
+
+    def forward(self, x, rope, kv_cache, meta, backend, lora=None):
+        out = super().forward(x, rope, kv_cache, meta, backend, lora)
+        dist.all_reduce(out)
+        return out
+
+
+class DistParallelGatedMLP(GatedMLP):
+    """ParallelGatedMLP through torch.distributed's default group."""
+
+    def forward(self, x, lora=None):
+        out = super().forward(x, lora)
+        dist.all_reduce(out)
+        return out
+
+
+# each communicator's layers: a layer class keys its compiled graph (compiled_forward.graph_signature)
+PARALLEL = {ShmComm: {Attention: ParallelAttention, GatedMLP: ParallelGatedMLP},
+            DistComm: {Attention: DistParallelAttention, GatedMLP: DistParallelGatedMLP}}
 
 
 @torch.no_grad()
 def shard_model(model: nn.Module, tp: TPRank) -> None:
     """Cut every decoder layer of a loaded model (before pack_for_cpu) to rank `tp.rank`'s share."""
+    parallel = PARALLEL[type(tp.comm)]
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for module in (attn, mlp):
-            if type(module) not in PARALLEL:
+            if type(module) not in parallel:
                 raise ValueError(f"tensor parallelism does not know how to split {type(module).__name__}")
         heads = [head_split(attn.num_heads, attn.num_kv_heads, r, tp.world) for r in range(tp.world)]
         hidden = attn.o_proj.fmt.n if isinstance(attn.o_proj, QuantLinear) else attn.o_proj.weight.shape[0]
         _shard_mlp(mlp, mlp_split(_out_features(mlp.gate_up_proj) // 2, hidden, attn.head_dim, heads, tp.rank), tp)
         _shard_attention(attn, tp)
         for module in (attn, mlp):
-            module.__class__ = PARALLEL[type(module)]
-            module.tp_handle = tp.handle
+            module.__class__ = parallel[type(module)]
+            if isinstance(tp.comm, ShmComm):
+                module.tp_handle = tp.comm.handle
     _shard_output(model, tp)
 
 
@@ -168,7 +194,7 @@ def _shard_output(model: nn.Module, tp: TPRank) -> None:
         head = copy.deepcopy(model.lm_head) if model.cfg.tie_word_embeddings else model.lm_head
         head = take_rows(head, np.arange(first, end))
     model.lm_head = head
-    model.logits_gather = LogitsGather(tp.logits, tp.handle, tp.rank, edges)
+    model.logits_gather = tp.comm.logits_gather(edges)
 
 
 def _shard_attention(attn: Attention, tp: TPRank) -> None:

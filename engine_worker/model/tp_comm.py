@@ -60,12 +60,16 @@ class Region:
 
 class ShmComm:
     """This process's end of an all-reduce region, as rank `rank` of `world`; `handle` (the
-    region's descriptor, unique in the process while it is open) names it to the op."""
+    region's descriptor, unique in the process while it is open) names it to the op. `logits`:
+    the region of the logits' gather (LogitsGather)."""
 
-    def __init__(self, region: Region, rank: int, world: int):
+    def __init__(self, region: Region, rank: int, world: int, logits: Region):
         load_cpu_ops()
-        self.region, self.handle = region, region.fd
+        self.region, self.handle, self.rank, self.logits = region, region.fd, rank, logits
         torch.ops.kaiten_cpu.shm_comm_attach(self.handle, region.address(), region.size, rank, world)
+
+    def logits_gather(self, edges: list[int]) -> LogitsGather:
+        return LogitsGather(self.logits, self.handle, self.rank, edges)
 
     @staticmethod
     def region_bytes(world: int) -> int:
@@ -74,6 +78,9 @@ class ShmComm:
     def abort(self) -> None:
         """Make every rank's wait in an all-reduce (now or later) raise."""
         torch.ops.kaiten_cpu.shm_comm_abort(self.handle)
+
+    def close(self) -> None:
+        """Nothing to release: the regions go with the last process that maps them."""
 
     def stats(self) -> tuple[int, int, int]:
         """(calls, ns in the op, ns of them waiting for the other ranks) since attach."""

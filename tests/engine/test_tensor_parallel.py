@@ -2,11 +2,15 @@
 gives the greedy fp32 tokens of one process and of Hugging Face, for the tiny model of every
 family, eager and compiled; bf16-stored weights too; quantized weights within a stated tolerance of
 one process; the output layer split by vocabulary, its gathered logits the whole layer's bits; KV
-heads replicated where there are fewer than ranks; and what it cannot do yet is refused in one
-line."""
+heads replicated where there are fewer than ranks; the all-reduces and the gather through
+torch.distributed's gloo instead of shared memory (the code NCCL runs on GPUs) give the same; and
+what it cannot do yet is refused in one line."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from contextlib import contextmanager
 
 import numpy as np
@@ -16,10 +20,12 @@ import torch
 from engine_worker import LLM, SamplingParams
 from engine_worker.model.quant_layers import QuantLinear
 from engine_worker.model.tensor_parallel import take_rows, vocab_split
+from engine_worker.model.tp_ranks import EXIT_RANK_DIED
 from kernels.cpu_ops_build import cpu_ops_available
 from shared.gguf_quant import PackedWeight
 from tests.support.gguf_files import write_llama_gguf
 from tests.support.llm_support import greedy, hf_greedy, make_llm, make_prompts
+from tests.support.paths import ROOT
 from tests.support.tiny_model import FAMILIES, build_tiny_family, build_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU extension does not build here")
@@ -193,6 +199,12 @@ def test_vocabulary_slices_of_a_quantized_layer_on_whole_tiles():
     (dict(tensor_parallel_size=8, cpu_binding="none"), "4 attention heads are fewer than the ranks"),
     (dict(tensor_parallel_size=2, kv_store_url="redis://127.0.0.1:1/0"), "does not support a shared KV store"),
     (dict(tensor_parallel_size=2, cpu_binding="0|0|1"), "names 3 ranks' cores"),
+    (dict(tensor_parallel_size=2, tensor_parallel_backend="nccl"), "backend nccl needs --device cuda"),
+    (dict(tensor_parallel_size=2, tensor_parallel_backend="mpi"), "unknown tensor_parallel_backend 'mpi'"),
+    (dict(tensor_parallel_backend="shm", device="cuda"), "backend shm runs on the CPU"),
+    (dict(tensor_parallel_size=2, tensor_parallel_backend="gloo", device="cuda"), "backend gloo runs on the CPU"),
+    # no NCCL in this torch, or too few GPUs
+    (dict(tensor_parallel_size=64, device="cuda"), "--tensor-parallel-size 64 over nccl"),
 ])
 def test_what_it_cannot_do_is_refused_in_one_line(tiny_model_dir, overrides, message):
     with pytest.raises(ValueError, match=message) as e:
@@ -231,3 +243,69 @@ def test_lora_matches_peft(family, forward, tmp_path):
         names = ["", "a", "b"] * len(prompts)
         got = llm.generate([p for p in prompts for _ in range(3)], greedy(12), lora_names=names)
         assert [c.token_ids for c in got] == [t for triple in zip(*expected) for t in triple]
+
+
+@pytest.mark.parametrize("weights, forward", [("fp32", "eager"), ("fp32", "compiled"), ("q4_1-tied", "eager")])
+def test_gloo_ranks_match_one_process_and_shm(weights, forward, tmp_path, monkeypatch):
+    """--tensor-parallel-backend gloo: the all-reduces (traced into the compiled layers as
+    functional collectives) and the logits' gather through torch.distributed, as NCCL runs them
+    on GPUs. Two ranks give one process's greedy tokens and the shm backend's logprobs bit for
+    bit (two partial sums add to the same bits either way); rank 0's gathered logits are one
+    process's whole output layer's bits on the same hidden rows."""
+    from engine_worker.model.tensor_parallel import DistParallelAttention, ParallelAttention
+    monkeypatch.setenv("KAITEN_MODELS_DIR", str(tmp_path / "models"))
+    model_dir = build_tiny_model(tmp_path / "hf", tie_word_embeddings=weights != "fp32")
+    if weights == "q4_1-tied":
+        model_dir = write_llama_gguf(model_dir, tmp_path / "tiny-llama.Q4_1.gguf", qtype="Q4_1", embed_qtype="Q8_0")
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0)
+    kw = dict(dtype="float32", kv_cache_memory=8 * 2**20, enforce_eager=forward == "eager")
+    one = LLM(str(model_dir), **kw)
+    expected = one.generate(PROMPTS, params)
+    got = {}
+    for backend, layer in (("shm", ParallelAttention), ("gloo", DistParallelAttention)):
+        with ranks(LLM(str(model_dir), tensor_parallel_size=2, tensor_parallel_backend=backend, **kw)) as llm:
+            assert type(llm.engine.runner.model.layers[0].self_attn) is layer
+            assert (llm.engine.runner.compiled is not None) == (forward == "compiled")
+            calls = record_logits(llm)
+            got[backend] = llm.generate(PROMPTS, params)
+    for hidden, logits in calls:          # gloo's
+        assert torch.equal(logits, one.engine.runner.model.compute_logits(hidden))
+    assert [c.token_ids for c in got["gloo"]] == [c.token_ids for c in expected]
+    assert logprobs(got["gloo"]) == logprobs(got["shm"])
+
+
+def logprobs(completions) -> list[float]:
+    return [x.logprob for c in completions for x in c.prompt_logprobs[1:] + c.logprobs]
+
+
+def test_backend_flag_reaches_the_engine(monkeypatch):
+    """`kaiten serve --tensor-parallel-backend` is handed to the engine, whose config takes it (or
+    KAITEN_TENSOR_PARALLEL_BACKEND)."""
+    from engine_worker.cli import build_parser, configs_from_args
+    from shared.config import EngineConfig
+    from shared.launcher import build_parser as serve_parser
+    from shared.up_flags import child_args
+    args = serve_parser().parse_args(["--tensor-parallel-backend", "gloo"])
+    assert child_args(args, "engine")[-2:] == ["--tensor-parallel-backend", "gloo"]
+    assert "--tensor-parallel-backend" not in child_args(args, "gateway")
+    ecfg, _ = configs_from_args(build_parser().parse_args(["--tensor-parallel-backend", "gloo"]), resolve_model=False)
+    assert ecfg.tensor_parallel_backend == "gloo"
+    monkeypatch.setenv("KAITEN_TENSOR_PARALLEL_BACKEND", "gloo")
+    assert EngineConfig.from_env().tensor_parallel_backend == "gloo"
+
+
+def test_a_gloo_rank_that_dies_ends_the_engine(tiny_model_dir):
+    """Rank 1 SIGKILLed while rank 0 runs steps over gloo: rank 0's process exits at once
+    (EXIT_RANK_DIED), not left waiting in a collective."""
+    script = textwrap.dedent(f"""
+        import os, signal, threading
+        from engine_worker import LLM, SamplingParams
+        llm = LLM({str(tiny_model_dir)!r}, dtype="float32", kv_cache_memory=8 * 2**20, enforce_eager=True,
+                  tensor_parallel_size=2, tensor_parallel_backend="gloo", cpu_binding="none")
+        threading.Timer(1.0, os.kill, (llm.engine.runner.ranks.procs[0].pid, signal.SIGKILL)).start()
+        while True:
+            llm.generate([[5, 6, 7]] * 8, SamplingParams(temperature=0, max_tokens=16))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == EXIT_RANK_DIED, run.stderr[-3000:]
+    assert "tensor-parallel rank 1" in run.stderr
