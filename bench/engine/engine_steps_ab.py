@@ -11,12 +11,15 @@ GGUF file, or the default model) with quantization auto, the given --dtype and p
   prefill  --prompts new prompts of --context tokens a step (max_tokens 1) under a token budget of
            prompts x context, 2 untimed steps, then the median of 5, in ms a prompt token.
 
+--noise F runs a neighbour process busy F of one core in bursts (bench/common/cpu_noise.py) while
+the steps are timed, as the gateway, Redis and the client load a served engine's cores.
+
 The table gives each tree's median over the rounds and the ratio working tree / base (below 1:
 the working tree is faster). KAITEN_CPU_ISA (kernels/cpu_ops_build.py) picks the C++ ops' build
 for both, e.g. avx2 to time an AVX2 CPU's code on an AVX-512 one.
 
     .venv/bin/python bench/engine/engine_steps_ab.py --base REV [--model GGUF] [--dtype float32] [--batch 32]
-        [--context 256] [--prompts 4] [--rounds 2] [--no-deterministic] [--out NAME]
+        [--context 256] [--prompts 4] [--rounds 2] [--no-deterministic] [--noise 0.3] [--out NAME]
 
 Writes bench/results/engine_steps_ab/<NAME>.{md,json} (default engine_steps_ab).
 """
@@ -45,6 +48,7 @@ TREES = Path.home() / ".cache" / "kaiten" / "engine_steps_ab"
 def measure(args) -> dict:
     """This tree's decode step (ms) and prefill (ms a prompt token); run inside the tree."""
     sys.path.insert(0, os.getcwd())
+    from bench.common.cpu_noise import busy_neighbour
     from bench.engine.engine_throughput import step_until_decoding
     from engine_worker import LLM, SamplingParams
     from shared.gguf_convert import ensure_converted_gguf, ensure_default_model
@@ -64,18 +68,19 @@ def measure(args) -> dict:
         return time.perf_counter() - t0
 
     prefill = []
-    for i in range(7):
-        for _ in range(args.prompts):
-            llm.submit(prompt(), SamplingParams(max_tokens=1, temperature=0.0))
-        dt = timed_step()
-        if i >= 2:
-            prefill.append(dt * 1e3 / (args.prompts * args.context))
-    for _ in range(args.batch):
-        llm.submit(prompt(), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
-    step_until_decoding(llm)
-    for _ in range(10):
-        llm.step()
-    decode = [timed_step() * 1e3 for _ in range(30)]
+    with busy_neighbour(args.noise):
+        for i in range(7):
+            for _ in range(args.prompts):
+                llm.submit(prompt(), SamplingParams(max_tokens=1, temperature=0.0))
+            dt = timed_step()
+            if i >= 2:
+                prefill.append(dt * 1e3 / (args.prompts * args.context))
+        for _ in range(args.batch):
+            llm.submit(prompt(), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+        step_until_decoding(llm)
+        for _ in range(10):
+            llm.step()
+        decode = [timed_step() * 1e3 for _ in range(30)]
     return {"decode_ms": statistics.median(decode), "prefill_ms_per_token": statistics.median(prefill),
             "dtype": str(llm.engine.runner.dtype).removeprefix("torch.")}
 
@@ -107,6 +112,7 @@ def main() -> int:
     ap.add_argument("--out", default="engine_steps_ab")
     ap.add_argument("--no-deterministic", action="store_true",
                     help="batch-invariant numerics off, in a tree whose engine has them (docs/deterministic.md)")
+    ap.add_argument("--noise", type=float, default=0.0, help="a neighbour busy this fraction of one core")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
@@ -117,7 +123,8 @@ def main() -> int:
     from bench.common.timing import interleaved
     from kernels.cpu_ops_build import cpu_capability
     argv = ["--model", args.model, "--dtype", args.dtype, "--batch", str(args.batch), "--context",
-            str(args.context), "--prompts", str(args.prompts)] + ["--no-deterministic"] * args.no_deterministic
+            str(args.context), "--prompts", str(args.prompts), "--noise", str(args.noise)] + \
+        ["--no-deterministic"] * args.no_deterministic
     trees = {"base": worktree(args.base), "working tree": ROOT}
     load0 = load_avg()
     runs: dict[str, list[dict]] = interleaved(trees, args.rounds, lambda name: run_in(trees[name], argv))
@@ -127,7 +134,8 @@ def main() -> int:
     lines = [f"# The engine's steps: the working tree against {args.base}\n",
              f"CPU: {cpu_name()} ({' '.join(cpu_flags())}), extension ISA {cpu_capability()[0]}, dtype {dtype}, "
              f"model {Path(args.model).name or 'the default model'} (quantization auto); load {load0} before, "
-             f"{load_avg()} after. Each tree in its own process, alternating, {args.rounds} rounds, medians.\n",
+             f"{load_avg()} after. Each tree in its own process, alternating, {args.rounds} rounds, medians; a neighbour "
+             f"process busy {args.noise:.0%} of a core.\n",
              "| step | base | working tree | ratio |", "|---|---:|---:|---:|"]
     for key, label in (("decode_ms", f"decode, {args.batch} x {args.context} (ms)"),
                        ("prefill_ms_per_token", f"prefill, {args.prompts} x {args.context} a step (ms a token)")):
