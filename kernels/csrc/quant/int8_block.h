@@ -1,5 +1,5 @@
 // kaiten_cpu::quant_linear (../quant_linear_cpu.cpp): int8 activations, up to kInt8BlockRows rows of x a row at a time
-// against each tile (int8_block).
+// against 4 tiles at once (int8_block4), or one (int8_block) for a thread's last tiles.
 #pragma once
 
 #include "int8_x.h"
@@ -64,8 +64,13 @@ struct GroupInts {
   IVec v[NZ], h[kNibbles ? NZ : 1];     // h: the 5-bit rows' elements 16-31
   __m128 scales, mins;
 
-  // qg: the group's integers, w.ints(tile) + g * kTileRows * I::kBytes
-  void load(const Tiles& w, const uint8_t* tile, const uint8_t* qg, int64_t g) {
+  // group g's integers in `tile`
+  static const uint8_t* ints(const Tiles& w, const uint8_t* tile, int64_t g) {
+    return w.ints(tile) + g * kTileRows * I::kBytes;
+  }
+
+  void load(const Tiles& w, const uint8_t* tile, int64_t g) {
+    const uint8_t* qg = ints(w, tile, g);
     scales = load4(tile, w.scale_bytes, g);
     if constexpr (kNibbles) {
       five_nibbles<I>(qg, v, h);
@@ -123,14 +128,14 @@ template <typename I, int R>
 inline void int8_block(const Tiles& w, int64_t t, const Int8Rows& x, int64_t r0, float (*y)[kTileRows]) {
   constexpr int NZ = GroupInts<I>::NZ;
   const bool with_mins = panel_mins<I>(w);
+  const uint8_t* tile = w.tile(t);
   __m128 acc[R];
   UNROLL
   for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
+    prefetch_group<I>(GroupInts<I>::ints(w, tile, g));
     GroupInts<I> gw;
-    const uint8_t* qg = w.ints(w.tile(t)) + g * kTileRows * I::kBytes;
-    prefetch_group<I>(qg);
-    gw.load(w, w.tile(t), qg, g);
+    gw.load(w, tile, g);
     UNROLL
     for (int r = 0; r < R; ++r) {
       const GroupX<I> gx(x, r0 + r, g);
@@ -253,7 +258,7 @@ inline void int8_block4(const Tiles& w, int64_t t, const Int8Rows& x, int64_t r0
     prefetch_runs_ahead(w, t, g);
     GroupInts<I> gw[4];
     UNROLL
-    for (int j = 0; j < 4; ++j) gw[j].load(w, w.tile(t + j), w.ints(w.tile(t + j)) + g * kTileRows * I::kBytes, g);
+    for (int j = 0; j < 4; ++j) gw[j].load(w, w.tile(t + j), g);
     Vec scales[kWide], mins[kWide];
     lanes4(gw[0].scales, gw[1].scales, gw[2].scales, gw[3].scales, scales);
     lanes4(gw[0].mins, gw[1].mins, gw[2].mins, gw[3].mins, mins);

@@ -133,13 +133,7 @@ inline void add_mins(const float* mins, const float* xsums, int64_t count, float
   for (int l = 0; l < VL; ++l) y[l % kTileRows] += lanes[l];
 }
 
-// Threads split the tiles in equal shares, not by chunk_queue.h's chunks: few rows of x are bound
-// by memory, and the chunks made a one-row decode step 1.14x as long (likely each new chunk
-// restarting the prefetchers' streams; 2-core Xeon, bench/engine/engine_steps_ab.py). A thread meets each
-// of its tiles with all m rows of x, kRowBlock rows at a time: block(s, tile, wt, r0, rows, y)
-// fills y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows from the tile (its scales widened to
-// fp32 in s where kWiden); wt: the thread's scratch of `scratch` Ts, or nullptr. out is in x's
-// dtype O, so no call converts a whole output.
+// Tiles a thread's share holds at least (over_tiles, over_tile_runs).
 inline int64_t tile_grain(const Tiles& w) { return std::max<int64_t>(2, 4096 / w.k); }
 
 // y's rows r0 .. r0 + rows of tile t into out (in x's dtype O, nearest even, as Tensor::to).
@@ -150,6 +144,13 @@ inline void store_tile(const Tiles& w, int64_t t, int64_t r0, int64_t rows, cons
       out[(r0 + r) * w.n + t * kTileRows + i] = static_cast<O>(y[r][i]);
 }
 
+// Threads split the tiles in equal shares, not by chunk_queue.h's chunks: few rows of x are bound
+// by memory, and the chunks made a one-row decode step 1.14x as long (likely each new chunk
+// restarting the prefetchers' streams; 2-core Xeon, bench/engine/engine_steps_ab.py). A thread meets each
+// of its tiles with all m rows of x, kRowBlock rows at a time: block(s, tile, wt, r0, rows, y)
+// fills y[r][0 .. kTileRows) for x's rows r0 .. r0 + rows from the tile (its scales widened to
+// fp32 in s where kWiden); wt: the thread's scratch of `scratch` Ts, or nullptr. out is in x's
+// dtype O, so no call converts a whole output.
 template <typename T, bool kWiden = true, typename O, typename Block>
 void over_tiles(const Tiles& w, int64_t m, int64_t scratch, O* out, const Block& block) {
   at::parallel_for(0, w.tiles, tile_grain(w), [&](int64_t t0, int64_t t1) {
