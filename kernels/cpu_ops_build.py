@@ -52,7 +52,7 @@ _STATE: dict[str, object] = {}
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"]
 _ISA_FLAGS = {
     # every AVX512-BF16 CPU has VNNI; the AMX code runs only where the CPU and the kernel allow it
-    "avx512bf16": _AVX512 + ["-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
+    "avx512bf16": _AVX512 + ["-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
     "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
     "default": [],                 # at::vec's portable code

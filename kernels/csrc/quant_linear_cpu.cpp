@@ -20,7 +20,8 @@
 //   of the output's norm), the fewest instructions per weight. Up
 //   to kInt8BlockRows rows a row at a time against each tile (int8_block); more by the *int8 panel
 //   GEMM* (Int8Panel): panel_gemm's panels hold the stored integers reordered by quads of inputs,
-//   each quad of a row of x broadcast against them.
+//   each quad of a row of x broadcast against them; on a CPU with AMX-INT8 the same panels are
+//   the tiles' weights, each group's integer dots made by tdpbsud (AmxInt8Panel, the same bits).
 // * m >= min_dense_rows (prefill, large decode batches), a GEMM, faster once a dequantized weight
 //   is reused by enough rows:
 //   - fp32 x, and bf16 x on AVX512-BF16 without AMX: our own *panel GEMM* (panel_gemm): panels of
@@ -55,7 +56,7 @@
 //
 // Each method in its own header under quant/: tiles.h (the layout, dequantizing, what all share),
 // registers.h (fp32 and bf16 x in registers), int8_x.h (x rounded to int8) with int8_block.h and
-// int8_panel.h, panel_gemm.h (the panel GEMMs' driver) with fp32_panel.h and bf16_panel.h, amx.h,
+// int8_panel.h and amx_int8.h, panel_gemm.h (the panel GEMMs' driver) with fp32_panel.h and bf16_panel.h, amx.h,
 // dense_chunks.h; this file picks the method (run) and registers the op.
 //
 // One source for AVX-512 and AVX2 (at::vec::Vectorized<float>, with the byte unpacking in the
@@ -66,6 +67,7 @@
 #include <vector>
 
 #include "quant/amx.h"
+#include "quant/amx_int8.h"
 #include "quant/bf16_panel.h"
 #include "quant/dense_chunks.h"
 #include "quant/fp32_panel.h"
@@ -117,7 +119,11 @@ at::Tensor int8_gemm(const Tiles& w, const at::Tensor& x) {
   const std::vector<int8_t> rec = x_records<I>(w, as_float(x, buf), m);
   at::Tensor out = at::empty({m, w.n}, x.options());
   with_out(out, [&](auto* o) {
-    panel_gemm<Int8Panel<I, std::remove_pointer_t<decltype(o)>>, I>(w, rec.data(), m, x_record_bytes(w), o);
+    using O = std::remove_pointer_t<decltype(o)>;
+#if defined(KAITEN_AMX_INT8)
+    if (amx_int8_ready()) return panel_gemm<AmxInt8Panel<I, O>, I>(w, rec.data(), m, x_record_bytes(w), o);
+#endif
+    panel_gemm<Int8Panel<I, O>, I>(w, rec.data(), m, x_record_bytes(w), o);
   });
   return out;
 }
