@@ -111,6 +111,11 @@ const float* as_float(const at::Tensor& x, std::vector<float>& buf) {
 // projection shapes, noisy runs) the panel at 8-16 rows ran at 0.7-1.9x the block's rate by shape and
 // format, not measured in an engine.
 constexpr int64_t kInt8BlockRows = kIntLanes == 16 ? 16 : 8;
+// Rows from which the int8 panel runs on AMX tiles where the CPU has them. 2-core Xeon with AMX, bf16
+// x, 2 threads, Q4_1 and Q8_0, SmolLM2's projections, GMAC/s tiles / vectors: 0.81-0.95x at 17 rows
+// (a 16-row tile pass for one row), 0.95-1.09x at 32, 0.96-1.12x at 48, 0.99-1.10x at 64, 1.03-1.15x at
+// 128, 1.08-1.19x at 256 (bench/results/kernel_ab/kernel_ab_amx_int8_spr.md, _mid.md).
+constexpr int64_t kAmxInt8Rows = 64;
 
 template <typename I>
 at::Tensor int8_gemm(const Tiles& w, const at::Tensor& x) {
@@ -121,7 +126,7 @@ at::Tensor int8_gemm(const Tiles& w, const at::Tensor& x) {
   with_out(out, [&](auto* o) {
     using O = std::remove_pointer_t<decltype(o)>;
 #if defined(KAITEN_AMX_INT8)
-    if (amx_int8_ready()) return panel_gemm<AmxInt8Panel<I, O>, I>(w, rec.data(), m, x_record_bytes(w), o);
+    if (m >= kAmxInt8Rows && amx_int8_ready()) return panel_gemm<AmxInt8Panel<I, O>, I>(w, rec.data(), m, x_record_bytes(w), o);
 #endif
     panel_gemm<Int8Panel<I, O>, I>(w, rec.data(), m, x_record_bytes(w), o);
   });

@@ -28,9 +28,9 @@ inline bool amx_int8_ready() {
 // accumulator scales the chunk's dots in as Int8Panel::rows does, group after group, so every
 // output has Int8Panel's and int8_block's bits. Tiles: A and B two each, alternating, C four, so
 // that no load waits for the product before it and two products run while one is stored.
-// 2-core Xeon with AMX, bf16 x, Q4_1 3072x576, 256 rows: 0.7-0.85x the VNNI panel's time; the
-// epilogue (a convert, a multiply and two FMAs an output and group, for int8_block's bits) takes
-// about as long as the products, packing and storing the rest.
+// The epilogue bounds it: a convert, a multiply and two FMAs an output and group (int8_block's
+// arithmetic), where the tiles' products cost little; so it runs at 1.08-1.19x the vector panel's
+// rate at 256 rows, not at AMX bf16's (kAmxInt8Rows in ../quant_linear_cpu.cpp).
 template <typename I, typename O>
 struct AmxInt8Panel : Int8Panel<I, O> {
   using Base = Int8Panel<I, O>;
