@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--base", default="", help="also serve Kaiten from this git revision, in the same rounds")
+    ap.add_argument("--env", default="", help="environment for the working tree's `kaiten serve` (not the base's), "
+                    "space-separated, e.g. KAITEN_DETERMINISTIC=0")
     ap.add_argument("--out", default=str(RESULTS / "peer_llamacpp"))
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -70,7 +72,7 @@ def main() -> None:
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
               "num_prompts_single": args.num_prompts_single, "rounds": args.rounds, "files": {},
               "kaiten_isa": cpu_capability()[0], "kaiten_dtype": os.environ.get("KAITEN_DTYPE", "auto"),
-              "llama_peer": args.llama_peer, "base": args.base}
+              "llama_peer": args.llama_peer, "base": args.base, "kaiten_env": args.env}
     for kind in args.files.split(","):
         gguf = gguf_path(Path(args.llama_peer), kind)
         tokenizer_dir = str(ensure_converted_gguf(Path(gguf)))     # the client's tokenizer; converted once
@@ -88,8 +90,9 @@ def file_runs(kind: str, gguf: str, tokenizer_dir: str, args) -> dict:
         try:
             servers[name] = start_server(
                 f"{name.replace(' ', '_')}_{kind}",
-                [sys.executable, "-m", "shared.cli", "serve", "--port", str(port), "--model", gguf,
-                 "--quantization", "auto", "--log-level", "WARNING"], "/ready", port, tokenizer_dir, args, cwd=tree)
+                ["env", *(args.env.split() if tree == ROOT else []), sys.executable, "-m", "shared.cli", "serve",
+                 "--port", str(port), "--model", gguf, "--quantization", "auto", "--log-level", "WARNING"],
+                "/ready", port, tokenizer_dir, args, cwd=tree)
         except (RuntimeError, OSError) as e:
             runs[name] = {"error": str(e)}
     try:
@@ -104,15 +107,16 @@ def file_runs(kind: str, gguf: str, tokenizer_dir: str, args) -> dict:
 
 
 def start_llama_server(kind: str, gguf: str, tokenizer_dir: str, args) -> tuple[Server, list[str]]:
-    """llama-server up, and its extra flags: where its AMX weight repacking dies on an illegal
-    instruction (a 2-core Xeon VM with AMX), again with --no-repack."""
+    """llama-server up, and its extra flags: where its AMX weight repacking dies (an illegal
+    instruction, or a segfault, on 2-core Xeon VMs with AMX), again with --no-repack."""
     for flags in ([], ["--no-repack"]):
         port = free_port()
         try:
             cmd = ["bash", args.llama_peer, "serve", gguf, str(port), "--alias", Path(tokenizer_dir).name, *flags]
             return start_server(f"llamacpp_{kind}", cmd, "/health", port, tokenizer_dir, args), flags
         except RuntimeError as e:
-            if flags or f"exited with {-signal.SIGILL} " not in str(e):
+            died = {-signal.SIGILL, -signal.SIGSEGV, 128 + signal.SIGILL, 128 + signal.SIGSEGV}
+            if flags or not any(f"exited with {code} " in str(e) for code in died):
                 raise
 
 
@@ -123,7 +127,7 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
         f"{rep['load_avg_before']} before, {rep['load_avg_after']} after. Client: random {rep['input_len']}-token "
         f"prompts, {rep['output_len']} output tokens, ignore_eos, greedy; {rep['num_prompts']} prompts per run "
         f"({rep['num_prompts_single']} at concurrency 1). Kaiten: extension ISA {rep.get('kaiten_isa', '?')}, "
-        f"dtype {rep.get('kaiten_dtype', 'auto')}. llama-server (from {Path(rep.get('llama_peer', LLAMA_PEER)).name}): "
+        f"dtype {rep.get('kaiten_dtype', 'auto')}{env_note(rep)}. llama-server (from {Path(rep.get('llama_peer', LLAMA_PEER)).name}): "
         f"32 slots (-np 32 -c 16384){no_repack_note(rep)}. {rounds_note(rep)}\n",
         "| file | concurrency | server | completed | failed | output tok/s | Kaiten / llama.cpp | TTFT p50 ms "
         "| TPOT p50 ms |",
@@ -155,10 +159,13 @@ def base_table(rep: dict, concurrency: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def env_note(rep: dict) -> str:
+    return f", the working tree served with `{rep['kaiten_env']}`" if rep.get("kaiten_env") else ""
+
+
 def no_repack_note(rep: dict) -> str:
     kinds = [kind for kind, runs in rep["files"].items() if runs.get("flags")]
-    return (f", with --no-repack for {', '.join(kinds)} (its AMX weight repacking died on an illegal instruction "
-            "here)") if kinds else ""
+    return (f", with --no-repack for {', '.join(kinds)} (its AMX weight repacking died here)") if kinds else ""
 
 
 if __name__ == "__main__":
