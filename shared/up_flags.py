@@ -58,6 +58,10 @@ CHILD_FLAGS = (
               "CUDA: fraction of the GPU's memory the engine may use (default 0.9)", float),
     ChildFlag("--enforce-eager", "KAITEN_ENFORCE_EAGER", "engine",
               "no CUDA graphs, no torch.compile (the eager model)", None),
+    ChildFlag("--no-deterministic", "KAITEN_DETERMINISTIC", "engine",
+              "batch-invariant numerics off, as KAITEN_DETERMINISTIC=0: each kernel its fastest plan for the "
+              "step's rows, so a request's tokens may depend on its batch (on CPUs with AMX, prompts and large "
+              "batches on bf16 tiles; docs/deterministic.md)", None),
     ChildFlag("--speculative-config", "KAITEN_SPECULATIVE_CONFIG", "engine",
               'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 5, '
               '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 3} '

@@ -167,6 +167,19 @@ def test_no_deterministic_turns_it_off(model_path, fmt):
     assert bool(bf16) == (fmt == "bf16-stored")
 
 
+def test_serve_flag_reaches_the_engine():
+    """`kaiten serve --no-deterministic` is handed to the engine (not the gateway), whose config takes it."""
+    from engine_worker.cli import build_parser, configs_from_args
+    from shared.launcher import build_parser as serve_parser
+    from shared.up_flags import child_args
+    args = serve_parser().parse_args(["--no-deterministic"])
+    assert "--no-deterministic" in child_args(args, "engine")
+    assert "--no-deterministic" not in child_args(args, "gateway")
+    assert "--no-deterministic" not in child_args(serve_parser().parse_args([]), "engine")
+    ecfg, _ = configs_from_args(build_parser().parse_args(child_args(args, "engine")), resolve_model=False)
+    assert ecfg.deterministic is False
+
+
 @pytest.mark.slow
 def test_default_model_same_answer_alone_after_a_hit_and_in_a_batch():
     """SmolLM2-135M-Instruct's Q4_1 file served as stored (the serving default): issue 66's
