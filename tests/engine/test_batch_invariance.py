@@ -15,6 +15,7 @@ import torch
 
 from engine_worker import LLM, SamplingParams
 from kernels.cpu_attention import cpp_attention_available
+from tests.support.engine_support import serve_flags
 from tests.support.gguf_files import write_llama_gguf
 from tests.support.tiny_model import build_tiny_model
 
@@ -169,14 +170,10 @@ def test_no_deterministic_turns_it_off(model_path, fmt):
 
 def test_serve_flag_reaches_the_engine():
     """`kaiten serve --no-deterministic` is handed to the engine (not the gateway), whose config takes it."""
-    from engine_worker.cli import build_parser, configs_from_args
-    from shared.launcher import build_parser as serve_parser
-    from shared.up_flags import child_args
-    args = serve_parser().parse_args(["--no-deterministic"])
-    assert "--no-deterministic" in child_args(args, "engine")
-    assert "--no-deterministic" not in child_args(args, "gateway")
-    assert "--no-deterministic" not in child_args(serve_parser().parse_args([]), "engine")
-    ecfg, _ = configs_from_args(build_parser().parse_args(child_args(args, "engine")), resolve_model=False)
+    engine_args, gateway_args, ecfg = serve_flags(["--no-deterministic"])
+    assert "--no-deterministic" in engine_args
+    assert "--no-deterministic" not in gateway_args
+    assert "--no-deterministic" not in serve_flags([])[0]
     assert ecfg.deterministic is False
 
 

@@ -6,7 +6,7 @@ import torch
 
 from engine_worker import LLM, SamplingParams
 from engine_worker.model.packed_linear import PackedLinear
-from tests.support.engine_support import engine_config
+from tests.support.engine_support import engine_config, serve_flags
 from tests.support.llm_support import (assert_all_blocks_released, greedy, hf_greedy, make_llm, make_prompts,
                                        run_staggered)
 
@@ -268,13 +268,9 @@ def test_event_times_are_ordered(tiny_model_dir, prompts):
 
 def test_kv_cache_dtype_flag_reaches_the_engine():
     """`kaiten serve --kv-cache-dtype` is handed to the engine (not the gateway), whose config takes it."""
-    from engine_worker.cli import build_parser, configs_from_args
-    from shared.launcher import build_parser as serve_parser
-    from shared.up_flags import child_args
-    args = serve_parser().parse_args(["--kv-cache-dtype", "float16"])
-    assert child_args(args, "engine")[-2:] == ["--kv-cache-dtype", "float16"]
-    assert "--kv-cache-dtype" not in child_args(args, "gateway")
-    ecfg, _ = configs_from_args(build_parser().parse_args(["--kv-cache-dtype", "float16"]), resolve_model=False)
+    engine_args, gateway_args, ecfg = serve_flags(["--kv-cache-dtype", "float16"])
+    assert engine_args[-2:] == ["--kv-cache-dtype", "float16"]
+    assert "--kv-cache-dtype" not in gateway_args
     assert ecfg.kv_cache_dtype == "float16"
 
 

@@ -23,6 +23,7 @@ from engine_worker.model.tensor_parallel import take_rows, vocab_split
 from engine_worker.model.tp_ranks import EXIT_RANK_DIED
 from kernels.cpu_ops_build import cpu_ops_available
 from shared.gguf_quant import PackedWeight
+from tests.support.engine_support import serve_flags
 from tests.support.gguf_files import write_llama_gguf
 from tests.support.llm_support import greedy, hf_greedy, make_llm, make_prompts
 from tests.support.paths import ROOT
@@ -281,14 +282,10 @@ def logprobs(completions) -> list[float]:
 def test_backend_flag_reaches_the_engine(monkeypatch):
     """`kaiten serve --tensor-parallel-backend` is handed to the engine, whose config takes it (or
     KAITEN_TENSOR_PARALLEL_BACKEND)."""
-    from engine_worker.cli import build_parser, configs_from_args
     from shared.config import EngineConfig
-    from shared.launcher import build_parser as serve_parser
-    from shared.up_flags import child_args
-    args = serve_parser().parse_args(["--tensor-parallel-backend", "gloo"])
-    assert child_args(args, "engine")[-2:] == ["--tensor-parallel-backend", "gloo"]
-    assert "--tensor-parallel-backend" not in child_args(args, "gateway")
-    ecfg, _ = configs_from_args(build_parser().parse_args(["--tensor-parallel-backend", "gloo"]), resolve_model=False)
+    engine_args, gateway_args, ecfg = serve_flags(["--tensor-parallel-backend", "gloo"])
+    assert engine_args[-2:] == ["--tensor-parallel-backend", "gloo"]
+    assert "--tensor-parallel-backend" not in gateway_args
     assert ecfg.tensor_parallel_backend == "gloo"
     monkeypatch.setenv("KAITEN_TENSOR_PARALLEL_BACKEND", "gloo")
     assert EngineConfig.from_env().tensor_parallel_backend == "gloo"

@@ -16,6 +16,17 @@ def engine_config(model_dir, **kw) -> EngineConfig:
     return EngineConfig(**base)
 
 
+def serve_flags(argv: list[str]) -> tuple[list[str], list[str], EngineConfig]:
+    """What `kaiten serve ARGV` hands the engine and the gateway, and the engine's config from its share."""
+    from engine_worker.cli import build_parser, configs_from_args
+    from shared.launcher import build_parser as serve_parser
+    from shared.up_flags import child_args
+    args = serve_parser().parse_args(argv)
+    engine_args = child_args(args, "engine")
+    ecfg, _ = configs_from_args(build_parser().parse_args(engine_args), resolve_model=False)
+    return engine_args, child_args(args, "gateway"), ecfg
+
+
 def worker_config(url: str, engine_id: str, **kw) -> WorkerConfig:
     """Fast heartbeats and janitor, short Redis retries, no /metrics port; override per test file or test."""
     base = dict(redis_url=url, engine_id=engine_id, heartbeat_interval=0.2, heartbeat_ttl=3.0,
