@@ -25,7 +25,7 @@ inline bool amx_int8_ready() {
 // record apart). tdpbsud multiplies signed x by the panel's unsigned bytes (int4 as 0-15, int8 as
 // w + 128) and sums exactly, so a group's dots are vpdpbusd's. A chunk of kChunk groups is
 // multiplied first, a C tile a group and half panel, stored as int32; then each output's
-// accumulator scales the chunk's dots in as Int8Panel::rows does, group after group, so every
+// accumulator scales the chunk's dots in by scale_group, as Int8Panel::rows does, group after group, so every
 // output has Int8Panel's and int8_block's bits. Tiles: A and B two each, alternating, C four, so
 // that no load waits for the product before it and two products run while one is stored.
 // The epilogue bounds it: a convert, a multiply and two FMAs an output and group (int8_block's
@@ -104,22 +104,17 @@ struct AmxInt8Panel : Int8Panel<I, O> {
         a[i][1] = Vec::loadu(acc[r0 + i] + VL);
       }
       for (int64_t g = g0; g < g1; ++g) {
-        const float* pg = reinterpret_cast<const float*>(panel + g * gs);
-        const Vec s0 = Vec::loadu(pg), s1 = Vec::loadu(pg + VL);
+        const uint8_t* pg = panel + g * gs;
+        const Vec s0 = Vec::loadu(pg), s1 = Vec::loadu(pg + 4 * VL);
         const int32_t* dg0 = dots[g - g0][0] + 16 * r0;
         const int32_t* dg1 = dots[g - g0][1] + 16 * r0;
         UNROLL
         for (int i = 0; i < kBlock; ++i) {
           const Vec dx(d[i][g * G / 32]);
-          Vec f0 = at::vec::fmadd(Vec(_mm512_cvtepi32_ps(_mm512_load_si512(dg0 + 16 * i))), s0 * dx, Vec(a[i][0]));
-          Vec f1 = at::vec::fmadd(Vec(_mm512_cvtepi32_ps(_mm512_load_si512(dg1 + 16 * i))), s1 * dx, Vec(a[i][1]));
-          if (mins) {
-            const Vec sum(d[i][k / 32 + g]);
-            f0 = at::vec::fmadd(Vec::loadu(pg + kPanel), sum, f0);
-            f1 = at::vec::fmadd(Vec::loadu(pg + kPanel + VL), sum, f1);
-          }
-          a[i][0] = f0;
-          a[i][1] = f1;
+          a[i][0] = scale_group(to_float(_mm512_load_si512(dg0 + 16 * i)), s0, dx, Vec(a[i][0]), mins,
+                                pg + 4 * kPanel, d[i] + k / 32 + g);
+          a[i][1] = scale_group(to_float(_mm512_load_si512(dg1 + 16 * i)), s1, dx, Vec(a[i][1]), mins,
+                                pg + 4 * kPanel + 4 * VL, d[i] + k / 32 + g);
         }
       }
       for (int i = 0; i < kBlock; ++i) {

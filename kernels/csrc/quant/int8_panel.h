@@ -105,6 +105,14 @@ inline IVec group_dot(IVec dot) {
 #endif
 }
 
+// A group's dots (int32 as fp32) of 16 weight rows scaled into acc: dot * (s * dx) + acc, then min *
+// sum where the panel has mins (min: the panel's 16 fp32 mins, sum: x's group sum). Every int8
+// panel kernel scales by this one expression, in group order, for int8_block's bits.
+inline Vec scale_group(Vec dot, Vec s, Vec dx, Vec acc, bool mins, const uint8_t* min, const float* sum) {
+  const Vec f = at::vec::fmadd(dot, s * dx, acc);
+  return mins ? at::vec::fmadd(Vec::loadu(min), Vec(*sum), f) : f;
+}
+
 template <typename I, typename O>
 struct Int8Panel {
   using X = int8_t;
@@ -234,15 +242,9 @@ struct Int8Panel {
       for (int r = 0; r < MR; ++r) {
         const float* d = reinterpret_cast<const float*>(x + r * ld + k);
         const Vec dx(d[g * G / 32]);
-        Vec f0 = at::vec::fmadd(to_float(group_dot<I>(dot0[r])), s0 * dx, Vec(acc0[r]));
-        Vec f1 = at::vec::fmadd(to_float(group_dot<I>(dot1[r])), s1 * dx, Vec(acc1[r]));
-        if (mins) {
-          const Vec sum(d[k / 32 + g]);
-          f0 = at::vec::fmadd(Vec::loadu(pg + 4 * kPanel), sum, f0);
-          f1 = at::vec::fmadd(Vec::loadu(pg + 4 * kPanel + 4 * VL), sum, f1);
-        }
-        acc0[r] = f0;
-        acc1[r] = f1;
+        acc0[r] = scale_group(to_float(group_dot<I>(dot0[r])), s0, dx, Vec(acc0[r]), mins, pg + 4 * kPanel, d + k / 32 + g);
+        acc1[r] = scale_group(to_float(group_dot<I>(dot1[r])), s1, dx, Vec(acc1[r]), mins, pg + 4 * kPanel + 4 * VL,
+                              d + k / 32 + g);
       }
     }
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
