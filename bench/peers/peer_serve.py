@@ -25,7 +25,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -148,16 +148,46 @@ def interleaved_runs(servers: dict[str, Server], concurrency: list[int], args) -
     minutes) falls on both alike. All servers stay up throughout, idle while another is measured.
     Every run has prompts of its own (the client's seed), the same for every server: a prompt seen
     before would be served from the prefix cache. Returns {server: {concurrency: summary}} (summarize)."""
+    return _rounds({name: (lambda srv=srv: contextlib.nullcontext(srv)) for name, srv in servers.items()},
+                   concurrency, args, each_server=False)
+
+
+def alone_runs(starters: dict[str, Callable[[], Server]], concurrency: list[int], args) -> dict[str, dict]:
+    """As interleaved_runs, but in each round every server is started for its turn (every
+    concurrency) and stopped after it, so that none is measured beside the others' idle processes
+    (their threads and pollers share a small machine's cores). A server that does not come up
+    fails its turn."""
+    @contextlib.contextmanager
+    def alone(start: Callable[[], Server]):
+        server = start()
+        try:
+            yield server
+        finally:
+            stop_server(server)
+    return _rounds({name: (lambda start=start: alone(start)) for name, start in starters.items()},
+                   concurrency, args, each_server=True)
+
+
+def _rounds(servers: dict[str, Callable], concurrency: list[int], args, each_server: bool) -> dict[str, dict]:
+    """The rounds of interleaved_runs and alone_runs; `servers[name]()` is a context that holds the
+    server up for a turn. In each round, every concurrency against every server in turn (each_server:
+    every server in turn at every concurrency)."""
     runs = {s: {c: [] for c in concurrency} for s in servers}
     for r in range(args.rounds):
-        for i, c in enumerate(concurrency):
-            n = args.num_prompts if c > 1 else args.num_prompts_single
-            seed = 1 + r * len(concurrency) + i
+        for group in ([concurrency] if each_server else [[c] for c in concurrency]):
             for s in (list(servers) if r % 2 == 0 else list(reversed(servers))):
-                srv = servers[s]
-                runs[s][c].append(bench_client(args.peer, srv.url, Path(srv.tokenizer).name, srv.tokenizer,
-                                               c, n, args, seed))
-                print(f"round {r + 1}: {srv.label} concurrency {c}: {runs[s][c][-1]}", flush=True)
+                try:
+                    with servers[s]() as srv:
+                        for c in group:
+                            n = args.num_prompts if c > 1 else args.num_prompts_single
+                            seed = 1 + r * len(concurrency) + concurrency.index(c)
+                            runs[s][c].append(bench_client(args.peer, srv.url, Path(srv.tokenizer).name,
+                                                           srv.tokenizer, c, n, args, seed))
+                            print(f"round {r + 1}: {srv.label} concurrency {c}: {runs[s][c][-1]}", flush=True)
+                except (RuntimeError, OSError) as e:       # alone_runs: the server did not come up
+                    for c in group:
+                        if len(runs[s][c]) <= r:
+                            runs[s][c].append({"error": str(e)})
     return {s: {str(c): summarize(runs[s][c]) for c in concurrency} for s in servers}
 
 
@@ -265,7 +295,8 @@ def markdown(rep: dict, concurrency: list[int]) -> str:
 
 
 def rounds_note(rep: dict) -> str:
-    return (f"All servers up throughout, {rep.get('rounds', 1)} interleaved rounds (the order reversed every "
+    up = "Each server up alone for its turn in a round" if rep.get("alone") else "All servers up throughout"
+    return (f"{up}, {rep.get('rounds', 1)} interleaved rounds (the order reversed every "
             "other round); each cell is the median over rounds, completed and failed are totals, and the "
             "ratio is the median of the rounds' ratios.")
 
