@@ -159,7 +159,11 @@ def alone_runs(starters: dict[str, Callable[[], Server]], concurrency: list[int]
     fails its turn."""
     @contextlib.contextmanager
     def alone(start: Callable[[], Server]):
-        server = start()
+        try:
+            server = start()
+        except (RuntimeError, OSError) as e:
+            yield str(e)                 # the turn's runs fail with this error
+            return
         try:
             yield server
         finally:
@@ -170,24 +174,20 @@ def alone_runs(starters: dict[str, Callable[[], Server]], concurrency: list[int]
 
 def _rounds(servers: dict[str, Callable], concurrency: list[int], args, each_server: bool) -> dict[str, dict]:
     """The rounds of interleaved_runs and alone_runs; `servers[name]()` is a context that holds the
-    server up for a turn. In each round, every concurrency against every server in turn (each_server:
-    every server in turn at every concurrency)."""
+    server up for a turn (or gives the error that kept it down). In each round, every concurrency
+    against every server in turn (each_server: every server in turn at every concurrency)."""
     runs = {s: {c: [] for c in concurrency} for s in servers}
     for r in range(args.rounds):
         for group in ([concurrency] if each_server else [[c] for c in concurrency]):
             for s in (list(servers) if r % 2 == 0 else list(reversed(servers))):
-                try:
-                    with servers[s]() as srv:
-                        for c in group:
-                            n = args.num_prompts if c > 1 else args.num_prompts_single
-                            seed = 1 + r * len(concurrency) + concurrency.index(c)
-                            runs[s][c].append(bench_client(args.peer, srv.url, Path(srv.tokenizer).name,
-                                                           srv.tokenizer, c, n, args, seed))
-                            print(f"round {r + 1}: {srv.label} concurrency {c}: {runs[s][c][-1]}", flush=True)
-                except (RuntimeError, OSError) as e:       # alone_runs: the server did not come up
+                with servers[s]() as srv:
                     for c in group:
-                        if len(runs[s][c]) <= r:
-                            runs[s][c].append({"error": str(e)})
+                        n = args.num_prompts if c > 1 else args.num_prompts_single
+                        seed = 1 + r * len(concurrency) + concurrency.index(c)
+                        runs[s][c].append({"error": srv} if isinstance(srv, str) else bench_client(
+                            args.peer, srv.url, Path(srv.tokenizer).name, srv.tokenizer, c, n, args, seed))
+                        label = s if isinstance(srv, str) else srv.label
+                        print(f"round {r + 1}: {label} concurrency {c}: {runs[s][c][-1]}", flush=True)
     return {s: {str(c): summarize(runs[s][c]) for c in concurrency} for s in servers}
 
 
