@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ["paged_attention_cpu.cpp", "packed_linear_cpu.cpp", "quant_linear_cpu.cpp", "bf16_linear_cpu.cpp",
-           "lora_cpu.cpp", "argmax_cpu.cpp", "shm_all_reduce_cpu.cpp"]
+           "lora_cpu.cpp", "argmax_cpu.cpp", "shm_all_reduce_cpu.cpp", "dequantize_rows_cpu.cpp"]
 LIBRARY = "kaiten_cpu_ops.so"
 OPT_FLAGS = ["-O3", "-fopenmp"]   # -fopenmp: at::parallel_for is inline OpenMP code, run on torch's libgomp
 _BUILT = ".kaiten-built"          # in a build directory, once its build has finished
@@ -263,6 +263,8 @@ def _register_fakes() -> None:
         lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
     torch.library.register_fake("kaiten_cpu::quant_linear")(
         lambda x, tiles, n, k, bits, group, has_mins, min_dense_rows, int8_rows=0: x.new_empty((*x.shape[:-1], n)))
+    torch.library.register_fake("kaiten_cpu::dequantize_rows")(
+        lambda tiles, rows, n, k, bits, group, has_mins: tiles.new_empty((rows.shape[0], k), dtype=torch.float32))
     torch.library.register_fake("kaiten_cpu::bf16_linear")(
         lambda x, weight, bias, min_dense_rows: x.new_empty((*x.shape[:-1], weight.shape[0])))
     torch.library.register_fake("kaiten_cpu::lora_add_")(

@@ -3,8 +3,10 @@
 QuantLinear multiplies with kaiten_cpu::quant_linear from the C++ extension (kernels/csrc/
 quant_linear_cpu.cpp), which multiplies int8-rounded activations by the stored integers,
 dequantizes in registers, or runs a panel GEMM: one of them for every call where the layer is
-deterministic (the default), else by the number of rows and x's dtype. QuantEmbedding dequantizes only the rows it looks up. A tied output layer is a QuantLinear on the
-embedding's own buffers, so the largest matrix stays quantized and stored once.
+deterministic (the default), else by the number of rows and x's dtype. QuantEmbedding dequantizes
+only the rows it looks up (kaiten_cpu::dequantize_rows, kernels/csrc/dequantize_rows_cpu.cpp). A
+tied output layer is a QuantLinear on the embedding's own buffers, so the largest matrix stays
+quantized and stored once.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from engine_worker.model.quant_tiles import dequantize, to_tiles
+from kernels.cpu_ops_build import cpu_ops_loaded
 from shared.gguf_quant import PackedWeight
 
 # The fast mode's thresholds (deterministic=False), by x's dtype: rows of x from which
@@ -66,7 +69,8 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """An embedding table kept packed: a lookup dequantizes the rows it returns, in `dtype`."""
+    """An embedding table kept packed: a lookup dequantizes the rows it returns, in `dtype`, in
+    one call of kaiten_cpu::dequantize_rows (quant_tiles.dequantize's numbers)."""
 
     def __init__(self, table: QuantLinear, dtype: torch.dtype):
         super().__init__()
@@ -74,4 +78,8 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.dequantize(ids).to(self.dtype)
+        t = self.table
+        tiles = t.tiles
+        rows = (torch.ops.kaiten_cpu.dequantize_rows(tiles, ids, *t.op_args) if tiles.is_cpu and cpu_ops_loaded()
+                else t.dequantize(ids))
+        return rows if self.dtype == torch.float32 else rows.to(self.dtype)

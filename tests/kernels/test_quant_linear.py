@@ -247,6 +247,25 @@ def test_dequantize_matches_gguf_and_embedding_looks_up_rows():
     torch.testing.assert_close(QuantEmbedding(lin, torch.float32)(ids), torch.from_numpy(expected)[ids], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt,n,k", CASES + [("Q5_0", 301, 1024)])
+@pytest.mark.parametrize("five_bit", [True, False])
+def test_embedding_lookup_op_equals_the_python_dequantizer(fmt, n, k, five_bit):
+    """kaiten_cpu::dequantize_rows (the embedding's lookup) gives quant_tiles.dequantize's bytes
+    for every layout (int4 with mins, 5-bit with and without, int8 with and without, fp16 and fp32
+    scales), any rows in any order, repeated, the padded last tile's included, and more rows than
+    one thread takes; a row past the table is an error, not padding."""
+    lin = QuantLinear(packed(fmt, n, k), five_bit=five_bit)
+    n = lin.fmt.n                       # "mixed" has the Q6_K part's rows too
+    ids = torch.tensor([n - 1, 0, 5 % n, n - 1, 2, *range(n)][: 70 + n])
+    got = torch.ops.kaiten_cpu.dequantize_rows(lin.tiles, ids, *lin.op_args)
+    want = lin.dequantize(ids)
+    assert got.dtype == torch.float32 and got.shape == (len(ids), k)
+    np.testing.assert_array_equal((got.numpy() + 0.0).view(np.uint32), (want.numpy() + 0.0).view(np.uint32))
+    assert torch.equal(QuantEmbedding(lin, torch.bfloat16)(ids[:3]), want[:3].bfloat16())
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.kaiten_cpu.dequantize_rows(lin.tiles, torch.tensor([n]), *lin.op_args)
+
+
 @pytest.mark.parametrize("fmt,scale_dtype", [("Q4_0", torch.float16), ("Q4_1", torch.float16),
                                               ("Q8_0", torch.float16), ("Q4_K", torch.float32),
                                               ("Q6_K", torch.float32), ("Q8_0+min", torch.float32)])
