@@ -180,32 +180,12 @@ at::Tensor run(const Tiles& w, const at::Tensor& x, int64_t min_dense_rows, int6
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n, int64_t k, int64_t bits,
                         int64_t group, bool has_mins, int64_t min_dense_rows, int64_t int8_rows) {
-  TORCH_CHECK(tiles.dim() == 2 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte,
-              "quant_linear: tiles must be a contiguous uint8 matrix");
-  TORCH_CHECK(((bits == 4 || bits == 5) && group == 32) || (bits == 8 && (group == 16 || group == 32)),
-              "quant_linear: unsupported format: ", bits, "-bit groups of ", group);
-  TORCH_CHECK(k > 0 && k % group == 0 && x.size(-1) == k, "quant_linear: x has ", x.size(-1), " features, the weight ", k);
-  const int64_t groups = k / group, tile_count = (n + kTileRows - 1) / kTileRows;
-  TORCH_CHECK(tiles.size(0) == tile_count, "quant_linear: ", tiles.size(0), " tiles for ", n, " rows");
-  // tile bytes = groups * kTileRows * (integer bytes + scale bytes * (1 + has_mins))
-  const int64_t per = tiles.size(1) / (groups * kTileRows) - group * bits / 8;
-  const int64_t scale_bytes = per / (has_mins ? 2 : 1);
-  TORCH_CHECK(tiles.size(1) % (groups * kTileRows) == 0 && (scale_bytes == 2 || scale_bytes == 4) &&
-                  per == scale_bytes * (has_mins ? 2 : 1),
-              "quant_linear: tiles of ", tiles.size(1), " bytes do not match the format");
-  const Tiles w{tiles.data_ptr<uint8_t>(), n, k, groups, tile_count, tiles.size(1), static_cast<int>(scale_bytes), has_mins};
+  TORCH_CHECK(x.size(-1) == k, "quant_linear: x has ", x.size(-1), " features, the weight ", k);
+  const Tiles w = tiles_of("quant_linear", tiles, n, k, bits, group, has_mins);
   const at::Tensor x2 = x.reshape({-1, k});
-  at::Tensor out;
-  if (bits == 4)
-    out = run<Ints<true, 32>>(w, x2, min_dense_rows, int8_rows);
-  else if (bits == 5 && has_mins)
-    out = run<Ints5<false>>(w, x2, min_dense_rows, int8_rows);
-  else if (bits == 5)
-    out = run<Ints5<true>>(w, x2, min_dense_rows, int8_rows);
-  else if (group == 32)
-    out = run<Ints<false, 32>>(w, x2, min_dense_rows, int8_rows);
-  else
-    out = run<Ints<false, 16>>(w, x2, min_dense_rows, int8_rows);
+  const at::Tensor out = with_ints(bits, group, has_mins, [&](auto tag) {
+    return run<typename decltype(tag)::type>(w, x2, min_dense_rows, int8_rows);
+  });
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   return out.view(shape);

@@ -256,7 +256,7 @@ def test_embedding_lookup_op_equals_the_python_dequantizer(fmt, n, k, five_bit):
     one thread takes; a row past the table is an error, not padding."""
     lin = QuantLinear(packed(fmt, n, k), five_bit=five_bit)
     n = lin.fmt.n                       # "mixed" has the Q6_K part's rows too
-    ids = torch.tensor([n - 1, 0, 5 % n, n - 1, 2, *range(n)][: 70 + n])
+    ids = torch.tensor([n - 1, 0, 5 % n, n - 1, 2, *range(n)])
     got = torch.ops.kaiten_cpu.dequantize_rows(lin.tiles, ids, *lin.op_args)
     want = lin.dequantize(ids)
     assert got.dtype == torch.float32 and got.shape == (len(ids), k)

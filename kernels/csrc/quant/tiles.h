@@ -85,6 +85,27 @@ struct Tiles {
   const uint8_t* ints(const uint8_t* tile) const { return tile + scale_count() * scale_bytes * (has_mins ? 2 : 1); }
 };
 
+// A packed weight's tiles tensor checked against its format (bits, group, has_mins) and n rows of k
+// inputs, as the Tiles the kernels read; `op` names the caller in its errors.
+inline Tiles tiles_of(const char* op, const at::Tensor& tiles, int64_t n, int64_t k, int64_t bits, int64_t group,
+                      bool has_mins) {
+  TORCH_CHECK(tiles.dim() == 2 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte,
+              op, ": tiles must be a contiguous uint8 matrix");
+  TORCH_CHECK(((bits == 4 || bits == 5) && group == 32) || (bits == 8 && (group == 16 || group == 32)),
+              op, ": unsupported format: ", bits, "-bit groups of ", group);
+  TORCH_CHECK(k > 0 && k % group == 0, op, ": the weight's ", k, " features are not groups of ", group);
+  const int64_t groups = k / group, tile_count = (n + kTileRows - 1) / kTileRows;
+  TORCH_CHECK(tiles.size(0) == tile_count, op, ": ", tiles.size(0), " tiles for ", n, " rows");
+  // tile bytes = groups * kTileRows * (integer bytes + scale bytes * (1 + has_mins))
+  const int64_t per = tiles.size(1) / (groups * kTileRows) - group * bits / 8;
+  const int64_t scale_bytes = per / (has_mins ? 2 : 1);
+  TORCH_CHECK(tiles.size(1) % (groups * kTileRows) == 0 && (scale_bytes == 2 || scale_bytes == 4) &&
+                  per == scale_bytes * (has_mins ? 2 : 1),
+              op, ": tiles of ", tiles.size(1), " bytes do not match the format");
+  return Tiles{tiles.data_ptr<uint8_t>(), n, k, groups, tile_count, tiles.size(1), static_cast<int>(scale_bytes),
+               has_mins};
+}
+
 // A tile's scales and mins as fp32 [G][kTileRows]: fp16 ones widened into buf (2 x scale_count()).
 struct TileScales {
   const float* scales;
@@ -214,6 +235,22 @@ struct Ints5 {
 #endif
   }
 };
+
+template <typename I>
+struct IntsOf {
+  using type = I;
+};
+
+// f(IntsOf<I>()) with I the integer reader of a format tiles_of accepted (f takes `auto tag` and
+// reads I as typename decltype(tag)::type).
+template <typename F>
+auto with_ints(int64_t bits, int64_t group, bool has_mins, const F& f) {
+  if (bits == 4) return f(IntsOf<Ints<true, 32>>());
+  if (bits == 5 && has_mins) return f(IntsOf<Ints5<false>>());
+  if (bits == 5) return f(IntsOf<Ints5<true>>());
+  if (group == 32) return f(IntsOf<Ints<false, 32>>());
+  return f(IntsOf<Ints<false, 16>>());
+}
 
 // How far ahead of a group a thread asks for its tiles' bytes. The hardware prefetchers alone left
 // a one-row decode at 8-12 GB/s where a plain read streams 24 (2-core Xeon with AMX, 2 threads,
