@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from engine_worker.model.quant_tiles import dequantize, to_tiles
-from kernels.cpu_ops_build import cpu_ops_loaded
 from shared.gguf_quant import PackedWeight
 
 # The fast mode's thresholds (deterministic=False), by x's dtype: rows of x from which
@@ -70,7 +69,8 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """An embedding table kept packed: a lookup dequantizes the rows it returns, in `dtype`, in
-    one call of kaiten_cpu::dequantize_rows (quant_tiles.dequantize's numbers)."""
+    one call of kaiten_cpu::dequantize_rows (quant_tiles.dequantize's numbers). CPU only; needs
+    the C++ extension, as its table (a QuantLinear) does."""
 
     def __init__(self, table: QuantLinear, dtype: torch.dtype):
         super().__init__()
@@ -78,8 +78,5 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        t = self.table
-        tiles = t.tiles
-        rows = (torch.ops.kaiten_cpu.dequantize_rows(tiles, ids, *t.op_args) if tiles.is_cpu and cpu_ops_loaded()
-                else t.dequantize(ids))
+        rows = torch.ops.kaiten_cpu.dequantize_rows(self.table.tiles, ids, *self.table.op_args)
         return rows if self.dtype == torch.float32 else rows.to(self.dtype)
